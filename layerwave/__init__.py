@@ -1,0 +1,15 @@
+"""layerwave: which target layers should a speculative-decoding draft read?
+
+Public API (the pipeline in order):
+  load_target(spec, dtype)          the target LLM (HF directory, GGUF, short name, hub id)
+  generate(target, prompt_ids, ...) autoregressive decoding, the speedup baseline
+"""
+
+from layerwave.generate import generate
+from layerwave.inference import Target, load_target
+from layerwave.models.config import ModelConfig
+from layerwave.models.target import KVCache, TargetOutput
+from layerwave.sampling import SamplingParams
+
+__all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "generate",
+           "load_target"]

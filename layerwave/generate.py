@@ -1,0 +1,151 @@
+"""Autoregressive decoding: the baseline every speculative speedup is measured against.
+
+One jitted call per `generate`: a prefill of the (right-padded, ragged) prompts into a preallocated
+`KVCache`, then one `lax.while_loop` that feeds each sampled token back until every row has produced EOS or
+`max_new_tokens`. The batch is sharded over the mesh's `'data'` axis. Shapes are bucketed (prompt width to a
+multiple of 16, cache slots to a multiple of 64) so calls with similar lengths reuse one compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from layerwave import sharding
+from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
+from layerwave.models.target import KVCache, causal_mask
+from layerwave.sampling import SamplingParams, sample
+
+SLOT_BUCKET = 64
+
+
+@struct.dataclass
+class DecodeState:
+  """The while-loop carry. `tokens [B, N]` holds generated tokens; `step` how many are written."""
+
+  step: jax.Array
+  tokens: jax.Array
+  last: jax.Array  # [B] the most recent token, not yet in the cache
+  lengths: jax.Array  # [B] committed cache length
+  done: jax.Array  # [B] row has produced EOS
+  cache: KVCache
+  rng: jax.Array
+
+
+def cache_slots(prompt_width: int, max_new_tokens: int) -> int:
+  """Cache slots for the padded prompt plus the new tokens, rounded up to `SLOT_BUCKET`."""
+  return -(-(prompt_width + max_new_tokens) // SLOT_BUCKET) * SLOT_BUCKET
+
+
+def check_lengths(lengths: np.ndarray, max_new_tokens: int, config) -> None:
+  longest = int(lengths.max()) + max_new_tokens
+  if longest > config.max_position_embeddings:
+    raise ValueError(
+        f"Longest prompt ({int(lengths.max())} tokens) + max_new_tokens ({max_new_tokens}) = {longest} "
+        f"exceeds the model's max_position_embeddings ({config.max_position_embeddings}); shorten the "
+        "prompt or lower max_new_tokens.")
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+  if not eos_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "mesh", "max_new_tokens",
+                                             "slots", "params_", "eos_ids"))
+def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_tokens, slots,
+              params_, eos_ids):
+  """Jitted prefill + decode loop. Returns generated tokens `[B, max_new_tokens]` and the step count."""
+  b, width = tokens.shape
+  dtype = params_dtype(params)
+  cache = new_cache(config, b, slots, dtype, mesh)
+  valid = (jnp.arange(width)[None, :] < lengths[:, None]).astype(jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+  out = cached_forward(graphdef, params, tokens, positions, causal_mask(valid), cache,
+                       jnp.zeros((b,), jnp.int32), compute_logits=False)
+  model_logits = _logits_fn(graphdef, params)
+  last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  rng, key = jax.random.split(rng)
+  first = sample(model_logits(last_h), key, params_)
+  state = DecodeState(
+      step=jnp.asarray(1, jnp.int32),
+      tokens=jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first),
+      last=first, lengths=lengths, done=is_eos(first, eos_ids), cache=out.cache, rng=rng)
+
+  def cond(s: DecodeState):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: DecodeState):
+    o = cached_forward(graphdef, params, s.last[:, None], s.lengths[:, None],
+                       jnp.ones((b, 1, 1), bool), s.cache, s.lengths)
+    rng, key = jax.random.split(s.rng)
+    nxt = sample(o.logits[:, 0], key, params_)
+    return DecodeState(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), last=nxt,
+                       lengths=s.lengths + 1, done=s.done | is_eos(nxt, eos_ids), cache=o.cache,
+                       rng=rng)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return state.tokens, state.step
+
+
+def params_dtype(params):
+  return jax.tree.leaves(params)[0].dtype
+
+
+def _logits_fn(graphdef, params):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.merge(graphdef, params).logits
+
+
+def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             return_stats: bool = False):
+  """Decodes new tokens for a batch of prompts.
+
+  Args:
+    target: a loaded `Target`.
+    prompt_ids: one list of token ids per prompt (lengths may differ).
+    max_new_tokens: the most tokens to generate per prompt.
+    temperature: 0 for greedy decoding, otherwise the sampling temperature.
+    top_k: sample among the k most likely tokens (0 = off).
+    top_p: nucleus sampling mass in (0, 1] (1 = off).
+    seed: PRNG seed for sampling.
+    return_stats: also return `{'steps': decode steps run}`.
+
+  Returns:
+    One list of new tokens per prompt, each cut after its first EOS token (included).
+  """
+  params_ = SamplingParams(float(temperature), int(top_k), float(top_p))
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
+  config = target.config
+  tokens, lengths, n = pad_prompts(prompt_ids, config.vocab_size, sharding.data_size(target.mesh))
+  check_lengths(lengths, max_new_tokens, config)
+  slots = cache_slots(tokens.shape[1], max_new_tokens)
+  batch = sharding.batch_sharding(target.mesh)
+  out, steps = _generate(
+      target.graphdef, target.params, jax.device_put(tokens, batch),
+      jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
+      config=config, mesh=target.mesh, max_new_tokens=int(max_new_tokens), slots=slots, params_=params_,
+      eos_ids=target.eos_token_ids)
+  result = cut_after_eos(np.asarray(out)[:n], int(steps), target.eos_token_ids)
+  return (result, {"steps": int(steps)}) if return_stats else result
+
+
+def cut_after_eos(tokens: np.ndarray, steps: int, eos_ids: tuple[int, ...]) -> list[list[int]]:
+  """Host-side: each row's first `steps` tokens, cut after the first EOS."""
+  rows = []
+  eos = set(eos_ids)
+  for row in tokens[:, :steps].tolist():
+    for i, t in enumerate(row):
+      if t in eos:
+        row = row[:i + 1]
+        break
+    rows.append(row)
+  return rows

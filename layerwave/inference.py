@@ -1,0 +1,212 @@
+"""The loaded target: `load_target(spec)` → `Target`, with jitted, device-parallel forward functions.
+
+`Target` bundles the NNX model split into `(graphdef, params)` (plain pytrees for jit, orbax and shardings),
+its `ModelConfig`, tokenizer and mesh. The module-level jitted functions here are the only way the rest of
+layerwave calls the target:
+
+* `forward_fn`: a cache-free forward over `[B, T]` tokens (analysis, draft training);
+* `cached_forward_fn`: new tokens against a `KVCache` under any mask among them (prefill, decoding, and the
+  speculative loop's verification of a chain or a tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from layerwave import sharding
+from layerwave.models import hub
+from layerwave.models import weights
+from layerwave.models.config import ModelConfig
+from layerwave.models.target import KVCache, TargetOutput, Transformer, causal_mask
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def parse_dtype(dtype: Any):
+  """'float32' / 'bfloat16' / 'float16' (or the jnp dtype itself) → jnp dtype."""
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f"Unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}.")
+    return DTYPES[dtype]
+  for value in DTYPES.values():
+    if jnp.dtype(dtype) == jnp.dtype(value):
+      return value
+  raise ValueError(f"Unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}.")
+
+
+@dataclasses.dataclass
+class Target:
+  """A loaded target LLM.
+
+  Attributes:
+    config: the model's `ModelConfig` (`num_layers` L, `hidden_size` D, `vocab_size` V, ...).
+    graphdef: the NNX graph definition (static).
+    params: the NNX parameter state (a pytree of arrays placed on `mesh`).
+    tokenizer: a transformers tokenizer with the chat template, or None if the checkpoint has none.
+    mesh: the device mesh the parameters live on.
+    path: the local checkpoint directory.
+  """
+
+  config: ModelConfig
+  graphdef: Any
+  params: Any
+  tokenizer: Any
+  mesh: Mesh
+  path: str | None = None
+
+  @property
+  def model(self) -> Transformer:
+    return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    ids = set(self.config.eos_token_ids)
+    if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+      ids.add(int(self.tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+  def forward(self, input_ids, attention_mask=None, return_hidden_states: bool = False
+              ) -> TargetOutput:
+    """Full forward over a batch.
+
+    Args:
+      input_ids: `[B, T]` token ids (array or nested lists of equal length).
+      attention_mask: optional `[B, T]`, 1 for real tokens, 0 for padding (left or right).
+      return_hidden_states: also return `[L+1, B, T, D]` hidden states (HF convention).
+
+    Returns:
+      `TargetOutput` with `logits [B, T, V]` and `hidden_states` (or None).
+    """
+    tokens = np.asarray(input_ids)
+    if tokens.ndim != 2 or tokens.size == 0:
+      raise ValueError(f"input_ids must be a non-empty [B, T] array, got shape {tokens.shape}.")
+    mask = np.ones_like(tokens) if attention_mask is None else np.asarray(attention_mask)
+    if mask.shape != tokens.shape:
+      raise ValueError(f"attention_mask shape {mask.shape} differs from input_ids {tokens.shape}.")
+    check_token_ids(tokens, self.config.vocab_size)
+    sharding.check_batch(self.mesh, tokens.shape[0])
+    batch = sharding.batch_sharding(self.mesh)
+    tokens = jax.device_put(tokens.astype(np.int32), batch)
+    mask = jax.device_put(mask.astype(np.int32), batch)
+    return forward_fn(self.graphdef, self.params, tokens, mask,
+                      return_hidden_states=return_hidden_states)
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int) -> None:
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+    raise ValueError(f"Token ids must lie in [0, {vocab_size}); got range "
+                     f"[{tokens.min()}, {tokens.max()}].")
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+  """RoPE positions `[B, T]`: the index among real tokens (correct for left and right padding)."""
+  return jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "hidden_layers",
+                                             "compute_logits"))
+def forward_fn(graphdef, params, tokens, attention_mask, *, return_hidden_states=False,
+               hidden_layers=None, compute_logits=True) -> TargetOutput:
+  """Cache-free forward. `tokens`, `attention_mask`: `[B, T]`."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions_from_mask(attention_mask), causal_mask(attention_mask),
+               return_hidden_states=return_hidden_states, hidden_layers=hidden_layers,
+               compute_logits=compute_logits)
+
+
+def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
+                   return_hidden_states=False, hidden_layers=None, compute_logits=True
+                   ) -> TargetOutput:
+  """New tokens `[B, T]` against `cache` (un-jitted: called inside larger jitted loops).
+
+  Args:
+    graphdef, params: the target.
+    tokens: `[B, T]` new tokens.
+    positions: `[B, T]` their RoPE positions.
+    mask: `[B, T, T]` which new tokens each new token may read (causal for a chain, ancestors for a tree).
+    cache: a `KVCache`; the new entries are written at slots `lengths[b] + i`.
+    lengths: `[B]` committed prefix length per row.
+    return_hidden_states, hidden_layers, compute_logits: as `Transformer.__call__`.
+
+  Returns:
+    `TargetOutput` with the updated cache (the caller commits by advancing `lengths`).
+  """
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions, mask, cache, lengths, return_hidden_states=return_hidden_states,
+               hidden_layers=hidden_layers, compute_logits=compute_logits)
+
+
+def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
+                mesh_spec: sharding.MeshSpec = sharding.DEFAULT_MESH) -> Target:
+  """Loads a Llama-family target LLM.
+
+  Args:
+    spec: a short name (`smollm2-135m-instruct`), an HF checkpoint directory, a `.gguf` file (converted
+      once into `$LAYERWAVE_CACHE`), or a hub id where a network exists.
+    dtype: parameter/compute dtype: 'float32' (default), 'bfloat16' or 'float16'.
+    mesh: the device mesh; built from `mesh_spec` when None.
+    mesh_spec: axes for a new mesh, e.g. `(('data', -1),)` or `(('data', -1), ('model', 2))`.
+
+  Returns:
+    A `Target`.
+  """
+  dtype = parse_dtype(dtype)
+  path = hub.resolve(spec)
+  config = ModelConfig.from_pretrained(path)
+  mesh = sharding.make_mesh(mesh_spec) if mesh is None else mesh
+  tensors = weights.read_safetensors(path)
+  model = weights.params_from_hf(config, tensors, dtype, sharding_fn=sharding.place_param(mesh))
+  del tensors
+  graphdef, params = nnx.split(model)
+  return Target(config=config, graphdef=graphdef, params=params, tokenizer=_load_tokenizer(path),
+                mesh=mesh, path=path)
+
+
+def _load_tokenizer(path: str):
+  if not any(os.path.exists(os.path.join(path, f))
+             for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    logging.warning("%s has no tokenizer files; Target.tokenizer is None.", path)
+    return None
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def new_cache(config: ModelConfig, batch: int, slots: int, dtype, mesh: Mesh) -> KVCache:
+  """A zero cache placed with its batch axis over `'data'` (call inside jit)."""
+  cache = KVCache.zeros(config, batch, slots, dtype)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), cache)
+
+
+def pad_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int, multiple: int,
+                bucket: int = 16) -> tuple[np.ndarray, np.ndarray, int]:
+  """Right-pads prompts into `[B', P]` (B' rounded up to `multiple`, P to `bucket`).
+
+  Returns:
+    (tokens, lengths, real batch size). Padding rows repeat the first prompt and are dropped later.
+  """
+  if isinstance(prompt_ids, np.ndarray):
+    prompt_ids = prompt_ids.tolist()
+  if not prompt_ids or isinstance(prompt_ids[0], (int, np.integer)):
+    raise ValueError("prompt_ids must be a non-empty list of token-id lists (one per prompt).")
+  for i, p in enumerate(prompt_ids):
+    if len(p) == 0:
+      raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token.")
+  n = len(prompt_ids)
+  rows = list(prompt_ids) + [prompt_ids[0]] * (-n % multiple)
+  width = -(-max(len(p) for p in rows) // bucket) * bucket
+  tokens = np.zeros((len(rows), width), np.int32)
+  for i, p in enumerate(rows):
+    tokens[i, :len(p)] = p
+  check_token_ids(tokens, vocab_size)
+  return tokens, np.asarray([len(p) for p in rows], np.int32), n

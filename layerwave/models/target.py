@@ -1,0 +1,226 @@
+"""The target LLM in Flax NNX: a Llama-family decoder that returns every layer's hidden states.
+
+This is the first stage of the pipeline: the analysis reads its hidden states, the draft trains on them and
+the speculative loop verifies with it. One forward serves every use:
+
+* a plain forward over `[B, T]` tokens (analysis, training), causal with padding masked;
+* prefill and cached decoding against a preallocated, functional `KVCache` (arrays in, arrays out);
+* verification of several new tokens against the cache under any mask among them (a chain or a tree).
+
+New tokens of row b are written to cache slots `lengths[b] ... lengths[b] + T - 1`; a query reads every slot
+below `lengths[b]` (the committed prefix) plus the new slots its `new_mask` row allows. Slots at or beyond
+`lengths[b] + T` are never read, so rolling back a rejected suffix is just not advancing `lengths`.
+
+Hidden states follow Hugging Face's convention (shared/METHOD.md §1): index 0 is the embedding output,
+index i (1 <= i < L) the output of block i-1, index L the final RMSNorm of the last block's output.
+
+Legend: B batch, T new tokens, S cache slots, L layers, D width, V vocab, K kv heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from layerwave.models import layers
+from layerwave.models.config import ModelConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer key/value buffers, each `[B, S, K, Dh]` (keys stored after RoPE)."""
+
+  keys: tuple[Array, ...]
+  values: tuple[Array, ...]
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
+    shape = (batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+               values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
+
+  @property
+  def slots(self) -> int:
+    return self.keys[0].shape[1]
+
+
+@struct.dataclass
+class TargetOutput:
+  """What one target call returns.
+
+  Attributes:
+    logits: `[B, T, V]` float32, or None when not asked for.
+    hidden_states: `[L+1, B, T, D]` (all depths) or `[len(hidden_layers), B, T, D]`, or None.
+    last_hidden: `[B, T, D]`, the final-normed state (hidden_states[L]); lm_head applies to it.
+    cache: the updated cache, or None for a cache-free forward.
+  """
+
+  logits: Array | None
+  hidden_states: Array | None
+  last_hidden: Array
+  cache: KVCache | None
+
+
+def causal_mask(attention_mask: Array) -> Array:
+  """`[B, T, T]` mask: causal, and padding keys (attention_mask == 0) hidden."""
+  t = attention_mask.shape[1]
+  tri = jnp.tril(jnp.ones((t, t), bool))
+  return tri[None] & attention_mask.astype(bool)[:, None, :]
+
+
+def _cache_mask(new_mask: Array, lengths: Array, slots: int) -> Array:
+  """Lifts a `[B, T, T]` mask among new tokens to `[B, T, S]` over the cache after writing them."""
+  t = new_mask.shape[-1]
+  slot = jnp.arange(slots)[None, :]  # [1, S]
+  rel = slot - lengths[:, None]  # [B, S]: index among the new tokens, if any
+  in_new = (rel >= 0) & (rel < t)
+  gathered = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
+  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
+
+
+def _write(buffer: Array, new: Array, lengths: Array) -> Array:
+  """Writes `new [B, T, K, Dh]` into `buffer [B, S, K, Dh]` at per-row offsets `lengths [B]`."""
+  return jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice_in_dim(buf, x, at, axis=0))(
+      buffer, new.astype(buffer.dtype), lengths)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
+
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    c = config
+    self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    bias = c.attention_bias
+    self.q_proj = layers.Linear(c.hidden_size, c.num_heads * c.head_dim, use_bias=bias, dtype=dtype,
+                                rngs=rngs)
+    self.k_proj = layers.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=bias,
+                                dtype=dtype, rngs=rngs)
+    self.v_proj = layers.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=bias,
+                                dtype=dtype, rngs=rngs)
+    self.o_proj = layers.Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
+    if c.qk_norm:
+      self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+      self.k_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
+    b, t, _ = x.shape
+    q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = layers.apply_rope(q, positions, inv_freq)
+    k = layers.apply_rope(k, positions, inv_freq)
+    if cache_kv is not None:
+      k = _write(cache_kv[0], k, lengths)
+      v = _write(cache_kv[1], v, lengths)
+      cache_kv = (k, v)
+    out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    return self.o_proj(out.reshape(b, t, -1)), cache_kv
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                   dtype=dtype)
+    self.mlp = layers.MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
+    h, cache_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache_kv,
+                                 lengths)
+    x = x + h
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, cache_kv
+
+
+class Transformer(nnx.Module):
+  """Llama-family causal LM. Attribute names mirror Hugging Face's so weights map one to one."""
+
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                  param_dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)
+                            for _ in range(config.num_layers)])
+    self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    self.lm_head = None if config.tie_word_embeddings else layers.Linear(
+        config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+
+  def logits(self, h: Array) -> Array:
+    """LM head on final-normed states `[..., D]` → float32 logits `[..., V]`."""
+    if self.lm_head is None:
+      w = self.embed_tokens.embedding[...]
+      return jnp.einsum("...d,vd->...v", h, w.astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype),
+                   preferred_element_type=jnp.float32)
+
+  def __call__(
+      self,
+      tokens: Array,
+      positions: Array,
+      mask: Array,
+      cache: KVCache | None = None,
+      lengths: Array | None = None,
+      *,
+      return_hidden_states: bool = False,
+      hidden_layers: tuple[int, ...] | None = None,
+      compute_logits: bool = True,
+  ) -> TargetOutput:
+    """Runs the decoder.
+
+    Args:
+      tokens: `[B, T]` int ids.
+      positions: `[B, T]` RoPE positions.
+      mask: `[B, T, T]` boolean mask among the new tokens (see `causal_mask`).
+      cache: optional cache; the new tokens' keys/values are written at `lengths`.
+      lengths: `[B]` committed cache length per row (required with a cache).
+      return_hidden_states: return hidden states (all L+1, or `hidden_layers`).
+      hidden_layers: static subset of depths (HF convention) to return, in the given order.
+      compute_logits: also apply the LM head to every position.
+
+    Returns:
+      A `TargetOutput`.
+    """
+    c = self.config
+    inv_freq = jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict),
+                           jnp.float32)
+    if cache is not None:
+      full_mask = _cache_mask(mask, lengths, cache.slots)
+    else:
+      full_mask = mask
+    x = self.embed_tokens(tokens)
+    wanted = set(range(c.num_layers + 1) if hidden_layers is None else hidden_layers)
+    collected = {0: x} if return_hidden_states and 0 in wanted else {}
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.keys[i], cache.values[i])
+      x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+      if return_hidden_states and i + 1 < c.num_layers and i + 1 in wanted:
+        collected[i + 1] = x
+    h = self.norm(x)
+    if return_hidden_states and c.num_layers in wanted:
+      collected[c.num_layers] = h
+    hidden = None
+    if return_hidden_states:
+      order = range(c.num_layers + 1) if hidden_layers is None else hidden_layers
+      hidden = jnp.stack([collected[i] for i in order])
+    return TargetOutput(
+        logits=self.logits(h) if compute_logits else None,
+        hidden_states=hidden,
+        last_hidden=h,
+        cache=None if cache is None else KVCache(tuple(new_k), tuple(new_v)),
+    )

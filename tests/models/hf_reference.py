@@ -1,0 +1,48 @@
+"""Small random Hugging Face PyTorch models, saved to disk, as the independent reference for parity tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (model_type, extra config). Covers every family, tied/untied, GQA/MHA, explicit head_dim,
+# q/k/v bias, q/k norm, and both rope scalings.
+FAMILIES = {
+    "llama": ("llama", dict(tie_word_embeddings=False)),
+    "llama_tied_mha": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "llama3_rope": ("llama", dict(tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama_linear_rope": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                            factor=2.0))),
+    "mistral": ("mistral", dict(sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=16, use_sliding_window=False)),
+}
+
+
+def make_hf_model(name: str, seed: int = 0):
+  model_type, extra = FAMILIES[name]
+  config = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+  with torch.no_grad():  # HF initialises norms to 1; randomise them so the scales are tested too
+    for n, p in model.named_parameters():
+      if n.endswith("norm.weight") or n.endswith(".bias"):
+        p.add_(0.1 * torch.randn_like(p))
+  return model.eval()
+
+
+def save_hf_model(name: str, directory: str, seed: int = 0):
+  model = make_hf_model(name, seed)
+  os.makedirs(directory, exist_ok=True)
+  model.save_pretrained(directory, safe_serialization=True)
+  return model

@@ -1,0 +1,224 @@
+"""Parity of the Flax target with Hugging Face's PyTorch models, cached decoding, configs and bad inputs."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import layerwave
+from layerwave import inference
+from layerwave.models import hub
+from layerwave.models.config import ModelConfig
+from layerwave.models.target import KVCache, causal_mask
+
+from tests.models import hf_reference
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module", params=sorted(hf_reference.FAMILIES))
+def family(request, tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp(request.param))
+  model = hf_reference.save_hf_model(request.param, directory)
+  return request.param, model, layerwave.load_target(directory)
+
+
+def _batch(vocab, seed=0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(3, vocab, size=(2, 11))
+  mask = np.ones_like(ids)
+  mask[1, 7:] = 0  # a right-padded row
+  return ids, mask
+
+
+def test_hidden_states_and_logits_match_pytorch(family):
+  name, hf_model, target = family
+  ids, mask = _batch(target.config.vocab_size)
+  with torch.no_grad():
+    ref = hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                   output_hidden_states=True)
+  out = target.forward(ids, mask, return_hidden_states=True)
+  L = target.config.num_layers
+  assert out.hidden_states.shape == (L + 1, 2, 11, target.config.hidden_size)
+  assert len(ref.hidden_states) == L + 1
+  real = mask.astype(bool)
+  for i in range(L + 1):
+    np.testing.assert_allclose(np.asarray(out.hidden_states[i])[real],
+                               ref.hidden_states[i].numpy()[real], atol=1e-4, rtol=1e-4,
+                               err_msg=f"{name}: hidden state {i}")
+  np.testing.assert_allclose(np.asarray(out.logits)[real], ref.logits.numpy()[real], atol=1e-4,
+                             rtol=1e-4, err_msg=f"{name}: logits")
+
+
+def test_cached_decoding_equals_full_forward(family):
+  """Prefill part of a ragged batch, then feed the rest one token and three tokens at a time."""
+  _, _, target = family
+  ids, _ = _batch(target.config.vocab_size, seed=1)
+  full = target.forward(ids, return_hidden_states=True)
+  c = target.config
+  b, t = ids.shape
+  cache = KVCache.zeros(c, b, 32)
+  lengths = np.array([4, 6], np.int32)  # ragged prefixes
+  width = 6
+  valid = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+  pos = np.broadcast_to(np.arange(width), (b, width))
+  out = inference.cached_forward(target.graphdef, target.params, ids[:, :width], pos,
+                                 causal_mask(jnp.asarray(valid)), cache, jnp.zeros(b, jnp.int32))
+  cache = out.cache
+  lengths = jnp.asarray(lengths)
+  logits, hidden = [], []
+  for step in (1, 3, 1):  # single tokens and a 3-token causal chain
+    idx = np.asarray(lengths)[:, None] + np.arange(step)[None]
+    toks = np.take_along_axis(ids, idx, axis=1)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((step, step), bool)), (b, step, step))
+    o = inference.cached_forward(target.graphdef, target.params, toks, jnp.asarray(idx), mask, cache,
+                                 lengths, return_hidden_states=True)
+    for r in range(b):
+      for j in range(step):
+        np.testing.assert_allclose(o.logits[r, j], full.logits[r, idx[r, j]], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(o.hidden_states[:, r, j], full.hidden_states[:, r, idx[r, j]],
+                                   atol=1e-4, rtol=1e-4)
+    cache, lengths = o.cache, lengths + step
+
+
+def test_tree_mask_verification_matches_branch_forwards(family):
+  """Two branches verified in one call under a tree mask equal each branch's own forward."""
+  _, _, target = family
+  c = target.config
+  prefix = np.array([[5, 9, 13, 17]])
+  a, b_ = [21, 22], [31, 32]
+  full_a = target.forward(np.concatenate([prefix, [a]], 1)).logits
+  full_b = target.forward(np.concatenate([prefix, [b_]], 1)).logits
+  cache = KVCache.zeros(c, 1, 16)
+  pos = np.arange(4)[None]
+  out = inference.cached_forward(target.graphdef, target.params, prefix, pos,
+                                 causal_mask(jnp.ones((1, 4), jnp.int32)), cache,
+                                 jnp.zeros(1, jnp.int32))
+  # Nodes: a0, a1 (child of a0), b0, b1 (child of b0); positions by depth.
+  toks = np.array([[a[0], a[1], b_[0], b_[1]]])
+  tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool)[None]
+  o = inference.cached_forward(target.graphdef, target.params, toks, np.array([[4, 5, 4, 5]]),
+                               jnp.asarray(tree), out.cache, jnp.array([4]))
+  np.testing.assert_allclose(o.logits[0, :2], full_a[0, 4:], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(o.logits[0, 2:], full_b[0, 4:], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+  hf_reference.save_hf_model("llama", str(tmp_path))
+  f32 = layerwave.load_target(str(tmp_path))
+  bf16 = layerwave.load_target(str(tmp_path), dtype="bfloat16")
+  ids, mask = _batch(f32.config.vocab_size)
+  a = np.asarray(f32.forward(ids, mask).logits)
+  b = np.asarray(bf16.forward(ids, mask).logits)
+  assert jax.tree.leaves(bf16.params)[0].dtype == jnp.bfloat16
+  assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
+
+
+def test_config_reads_both_rope_formats():
+  common = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+  scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=16)
+  old = ModelConfig.from_hf({**common, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3",
+                                                                            **scaling}})
+  new = ModelConfig.from_hf({**common, "rope_parameters": {"rope_type": "llama3",
+                                                            "rope_theta": 5e5, **scaling}})
+  legacy = ModelConfig.from_hf({**common, "rope_theta": 5e5, "rope_scaling": {"type": "llama3",
+                                                                               **scaling}})
+  assert old == new == legacy
+  assert old.rope_theta == 5e5 and old.rope_scaling_dict["factor"] == 8.0
+  assert old.head_dim == 4 and old.num_kv_heads == 2
+
+
+def test_old_style_config_json_loads_and_matches(tmp_path):
+  """A checkpoint written with rope_theta + rope_scaling (pre-transformers-5) gives the same logits."""
+  hf_model = hf_reference.save_hf_model("llama3_rope", str(tmp_path))
+  with open(tmp_path / "config.json") as f:
+    cfg = json.load(f)
+  params = cfg.pop("rope_parameters")
+  cfg["rope_theta"] = params.pop("rope_theta")
+  cfg["rope_scaling"] = params
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(cfg, f)
+  target = layerwave.load_target(str(tmp_path))
+  assert target.config.rope_scaling_dict["rope_type"] == "llama3"
+  ids, mask = _batch(target.config.vocab_size)
+  with torch.no_grad():
+    ref = hf_model(input_ids=torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(target.forward(ids).logits, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad inputs: one clear error each.
+
+def test_missing_path():
+  with pytest.raises(FileNotFoundError, match="not found"):
+    layerwave.load_target("./no/such/checkpoint")
+
+
+def test_directory_without_config(tmp_path):
+  with pytest.raises(FileNotFoundError, match="without config.json"):
+    layerwave.load_target(str(tmp_path))
+
+
+def test_unsupported_model_type(tmp_path):
+  hf_reference.save_hf_model("llama", str(tmp_path))
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  cfg["model_type"] = "gpt2"
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(ValueError, match="Unsupported model_type 'gpt2'"):
+    layerwave.load_target(str(tmp_path))
+
+
+def test_sliding_window_and_moe_are_refused():
+  base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, max_position_embeddings=4096)
+  with pytest.raises(ValueError, match="sliding-window"):
+    ModelConfig.from_hf({**base, "model_type": "mistral", "sliding_window": 1024})
+  with pytest.raises(ValueError, match="mixture-of-experts"):
+    ModelConfig.from_hf({**base, "model_type": "llama", "num_local_experts": 8})
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("drop", r"missing tensors: \['model.layers.0.mlp.up_proj.weight'\]"),
+    ("extra", r"unexpected tensors: \['model.layers.9.foo.weight'\]"),
+    ("shape", r"model.norm.weight has shape \(31,\), expected \(32,\)"),
+])
+def test_safetensors_mismatch_names_the_tensor(tmp_path, edit, match):
+  from safetensors.numpy import load_file, save_file
+  hf_reference.save_hf_model("llama", str(tmp_path))
+  path = str(tmp_path / "model.safetensors")
+  tensors = load_file(path)
+  if edit == "drop":
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+  elif edit == "extra":
+    tensors["model.layers.9.foo.weight"] = np.zeros(3, np.float32)
+  else:
+    tensors["model.norm.weight"] = np.zeros(31, np.float32)
+  save_file(tensors, path)
+  with pytest.raises(ValueError, match=match):
+    layerwave.load_target(str(tmp_path))
+
+
+def test_unknown_dtype(tmp_path):
+  with pytest.raises(ValueError, match="Unknown dtype 'float8'"):
+    layerwave.load_target(str(tmp_path), dtype="float8")
+
+
+def test_hub_id_without_network(monkeypatch, tmp_path):
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_HOME", str(tmp_path))
+  with pytest.raises(ConnectionError, match="offline"):
+    hub.resolve("some-org/some-model-that-is-not-cached")
+
+
+def test_forward_rejects_bad_batches(tmp_path):
+  hf_reference.save_hf_model("llama", str(tmp_path))
+  target = layerwave.load_target(str(tmp_path))
+  with pytest.raises(ValueError, match="non-empty"):
+    target.forward(np.zeros((1, 0), np.int32))
+  with pytest.raises(ValueError, match="Token ids must lie in"):
+    target.forward(np.array([[1, 2, 500]]))
