@@ -1,0 +1,68 @@
+"""8 simulated CPU devices give the same forward, hidden states and generations as one."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import layerwave
+from layerwave import sharding
+
+from tests.models import hf_reference
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import numpy as np, layerwave
+    assert len(jax.devices()) == 8
+    path, out = sys.argv[1], sys.argv[2]
+    ids = np.random.default_rng(0).integers(3, 97, size=(8, 9))
+    result = {}
+    for name, spec in [("data8", (("data", -1),)), ("data4_model2", (("data", -1), ("model", 2)))]:
+      t = layerwave.load_target(path, mesh_spec=spec)
+      o = t.forward(ids, return_hidden_states=True)
+      result[name] = dict(logits=np.asarray(o.logits).tolist(),
+                          hidden=np.asarray(o.hidden_states).tolist(),
+                          gen=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 3, 6))
+    json.dump(result, open(out, "w"))
+""")
+
+
+def test_eight_devices_match_one(tmp_path):
+  path = str(tmp_path / "model")
+  hf_reference.save_hf_model("qwen2", path)
+  out = str(tmp_path / "out.json")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, "-c", SCRIPT, path, out], check=True, env=env, timeout=600)
+  with open(out) as f:
+    result = json.load(f)
+  single = layerwave.load_target(path)
+  ids = np.random.default_rng(0).integers(3, 97, size=(8, 9))
+  ref = single.forward(ids, return_hidden_states=True)
+  gen = layerwave.generate(single, [[5, 6, 7], [9, 10]] * 3, 6)
+  for name in ("data8", "data4_model2"):
+    np.testing.assert_allclose(result[name]["logits"], ref.logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(result[name]["hidden"], ref.hidden_states, atol=1e-4, rtol=1e-4)
+    assert result[name]["gen"] == gen
+
+
+def test_mesh_errors():
+  with pytest.raises(ValueError, match="does not fit"):
+    sharding.make_mesh((("data", -1), ("model", 3)))
+  with pytest.raises(ValueError, match="at most one axis"):
+    sharding.make_mesh((("data", -1), ("model", -1)))
+  mesh = sharding.make_mesh()
+  sharding.check_batch(mesh, 3)  # one device divides everything
+
+
+def test_batch_not_divisible_by_data_axis_is_a_clear_error():
+  class FakeMesh:
+    shape = {"data": 4}
+  with pytest.raises(ValueError, match="not divisible by the mesh's 'data' axis"):
+    sharding.check_batch(FakeMesh(), 6)
