@@ -105,7 +105,7 @@ def _logits_fn(graphdef, params):
 
 def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             return_stats: bool = False):
+             ignore_eos: bool = False, return_stats: bool = False):
   """Decodes new tokens for a batch of prompts.
 
   Args:
@@ -116,6 +116,7 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
     top_k: sample among the k most likely tokens (0 = off).
     top_p: nucleus sampling mass in (0, 1] (1 = off).
     seed: PRNG seed for sampling.
+    ignore_eos: decode exactly `max_new_tokens` per row (benchmarks).
     return_stats: also return `{'steps': decode steps run}`.
 
   Returns:
@@ -133,8 +134,8 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
       target.graphdef, target.params, jax.device_put(tokens, batch),
       jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
       config=config, mesh=target.mesh, max_new_tokens=int(max_new_tokens), slots=slots, params_=params_,
-      eos_ids=target.eos_token_ids)
-  result = cut_after_eos(np.asarray(out)[:n], int(steps), target.eos_token_ids)
+      eos_ids=() if ignore_eos else target.eos_token_ids)
+  result = cut_after_eos(np.asarray(out)[:n], int(steps), () if ignore_eos else target.eos_token_ids)
   return (result, {"steps": int(steps)}) if return_stats else result
 
 

@@ -1,0 +1,57 @@
+"""Chat with the target LLM: load it, apply its chat template, decode, print (the AR baseline).
+
+  python experiments/generate.py --config=configs/generate.py [--config.prompt="..."]
+"""
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+import layerwave
+from layerwave import sharding
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Optional directory for generations.jsonl.")
+
+
+def run(config, workdir=None) -> list[dict]:
+  """Loads `config.model`, answers each question greedily (or sampled), prints and returns them."""
+  sharding.maybe_initialize_distributed(config.distributed)
+  target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
+  tok = target.tokenizer
+  if tok is None or tok.chat_template is None:
+    raise ValueError(f"{config.model} has no tokenizer chat template; cannot build chat prompts.")
+  questions = [config.prompt] if config.prompt else list(config.questions)
+  prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False) for q in questions]
+  start = time.perf_counter()
+  outs, stats = layerwave.generate(target, prompts, config.max_new_tokens, config.temperature,
+                                   config.top_k, config.top_p, config.seed, return_stats=True)
+  seconds = time.perf_counter() - start
+  records = []
+  for q, out in zip(questions, outs):
+    answer = tok.decode(out, skip_special_tokens=True)
+    print(f"\n>>> {q}\n{answer}")
+    records.append({"question": q, "answer": answer, "new_tokens": len(out)})
+  total = sum(r["new_tokens"] for r in records)
+  print(f"\n{total} new tokens for {len(questions)} prompts in {seconds:.1f}s "
+        f"(includes compilation; {stats['steps']} decode steps).")
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "generations.jsonl"), "w") as f:
+      for r in records:
+        f.write(json.dumps(r) + "\n")
+  return records
+
+
+def main(argv):
+  del argv
+  run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
