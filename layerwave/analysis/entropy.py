@@ -1,0 +1,260 @@
+"""Matrix (Gram) entropy of layer representations — informativeness (shared/METHOD.md §3).
+
+Place in the pipeline: hidden states [L+1, B, T, D] + the token-filter keep mask [B, T] → per-sequence,
+per-layer matrix entropy [L+1, B] (prompt entropy; averaged over sequences by `layerwave.analysis.stats`)
+and, from streamed second moments, dataset entropy [L+1] → Ê_ℓ for `layerwave.selection`.
+
+Definition for Z ∈ R^{n×D} (the kept tokens of one sequence at one layer):
+  1. (normalize=True, Skean et al. 2025) centre over tokens, then scale each row to unit L2 norm;
+  2. K = Z Zᵀ (n×n) or the D×D covariance ZᵀZ, whichever is smaller (same nonzero spectrum), / tr K;
+  3. eigenvalues clipped at a rank tolerance (m · eps_f32 · λ_max, below which float32 cannot resolve them;
+     this also removes the exact zeros contributed by padding rows), p_i = λ_i / Σλ;
+  4. Rényi entropy S_α = log Σ p_i^α / (1 − α); α = 1 → −Σ p log p; α = 2 → −log(‖K‖_F² / (tr K)²) with no
+     eigendecomposition.
+Normalised entropy divides by log(min(n, D)).
+
+Everything is mask-aware with fixed shapes so that one jitted, vmapped call handles all layers and sequences;
+the Gram/covariance choice is static (padded length T against D). The eigendecompositions are batched into one
+`eigvalsh` call over [L+1, B, m, m].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "entropy_from_gram",
+    "entropy_from_eigenvalues",
+    "matrix_entropy",
+    "masked_matrix_entropy",
+    "normalize_representations",
+    "prompt_entropy",
+    "covariance_entropy",
+    "nonfinite_layers",
+    "check_finite",
+]
+
+_HI = jax.lax.Precision.HIGHEST  # TF32 matmuls on GPU would cost ~3 digits of the spectrum.
+
+
+def _check_alpha(alpha: float) -> float:
+  alpha = float(alpha)
+  if not alpha > 0:
+    raise ValueError(f"Rényi order alpha must be > 0, got {alpha}")
+  return alpha
+
+
+def entropy_from_eigenvalues(eigenvalues: jax.Array, alpha: float = 1.0) -> jax.Array:
+  """Rényi entropy of the spectrum of a PSD matrix.
+
+  Args:
+    eigenvalues: [..., m] eigenvalues (any scale; tiny negatives and values below the float32 rank
+      tolerance m · eps · λ_max are treated as 0).
+    alpha: Rényi order (> 0); 1 is the Shannon limit.
+
+  Returns:
+    [...] entropy in nats (0 for an all-zero spectrum).
+  """
+  alpha = _check_alpha(alpha)
+  lam = eigenvalues.astype(jnp.float32)
+  m = lam.shape[-1]
+  lam_max = jnp.max(lam, axis=-1, keepdims=True)
+  tol = m * jnp.finfo(jnp.float32).eps * lam_max
+  lam = jnp.where(lam > tol, lam, 0.0)
+  total = jnp.sum(lam, axis=-1, keepdims=True)
+  p = lam / jnp.where(total > 0, total, 1.0)
+  if alpha == 1.0:
+    h = -jnp.sum(jax.scipy.special.xlogy(p, p), axis=-1)
+  else:
+    s = jnp.sum(jnp.where(p > 0, p, 0.0) ** alpha, axis=-1)
+    h = jnp.log(jnp.where(s > 0, s, 1.0)) / (1.0 - alpha)
+  return jnp.where(total[..., 0] > 0, h, 0.0)
+
+
+def entropy_from_gram(k: jax.Array, alpha: float = 1.0) -> jax.Array:
+  """Rényi entropy of a PSD Gram/covariance matrix normalised by its trace.
+
+  Args:
+    k: [..., m, m] symmetric PSD matrices.
+    alpha: Rényi order (> 0). α = 2 uses −log(‖K‖_F² / (tr K)²) without an eigendecomposition.
+
+  Returns:
+    [...] entropy in nats (0 when tr K = 0).
+  """
+  alpha = _check_alpha(alpha)
+  k = k.astype(jnp.float32)
+  tr = jnp.trace(k, axis1=-2, axis2=-1)
+  if alpha == 2.0:
+    fro2 = jnp.sum(k * k, axis=(-2, -1))
+    safe = jnp.where(tr > 0, tr, 1.0)
+    return jnp.where(tr > 0, -jnp.log(fro2 / (safe * safe)), 0.0)
+  k = k / jnp.where(tr > 0, tr, 1.0)[..., None, None]
+  return entropy_from_eigenvalues(jnp.linalg.eigvalsh(k), alpha)
+
+
+def normalize_representations(z: jax.Array, mask: jax.Array) -> jax.Array:
+  """Skean normalisation: centre over the masked tokens, then unit-L2 rows; masked rows become 0.
+
+  Args:
+    z: [T, D] representations.
+    mask: [T] bool.
+
+  Returns:
+    [T, D] float32.
+  """
+  z = z.astype(jnp.float32)
+  w = mask.astype(jnp.float32)[:, None]
+  n = jnp.maximum(jnp.sum(w), 1.0)
+  mu = jnp.sum(z * w, axis=0) / n
+  zc = (z - mu) * w
+  norm = jnp.sqrt(jnp.sum(zc * zc, axis=-1, keepdims=True))
+  return zc / jnp.where(norm > 0, norm, 1.0)
+
+
+def _gram_small(z: jax.Array) -> jax.Array:
+  """Z Zᵀ [T, T] or Zᵀ Z [D, D], whichever is smaller (static choice on the padded shape)."""
+  t, d = z.shape
+  if t <= d:
+    return jnp.einsum("td,sd->ts", z, z, precision=_HI)
+  return jnp.einsum("td,te->de", z, z, precision=_HI)
+
+
+def masked_matrix_entropy(
+    z: jax.Array, mask: jax.Array, alpha: float = 1.0, normalize: bool = True
+) -> tuple[jax.Array, jax.Array]:
+  """Matrix entropy of the masked rows of z (fixed shapes; jittable, vmappable).
+
+  Masked rows contribute nothing: centring uses the masked mean and n = mask.sum(). With fewer than 2 valid
+  rows the (centred) matrix is 0 and the entropy is reported as 0; callers drop such sequences.
+
+  Args:
+    z: [T, D] representations.
+    mask: [T] bool, rows to use.
+    alpha: Rényi order (> 0, static).
+    normalize: Skean normalisation (centre + unit rows) if True, raw rows otherwise (masked rows zeroed).
+
+  Returns:
+    (entropy, normalized): float32 scalars; normalized = entropy / log(min(n, D)) (0 when min(n, D) < 2).
+  """
+  alpha = _check_alpha(alpha)
+  mask = mask.astype(bool)
+  if normalize:
+    zn = normalize_representations(z, mask)
+  else:
+    zn = z.astype(jnp.float32) * mask.astype(jnp.float32)[:, None]
+  h = entropy_from_gram(_gram_small(zn), alpha)
+  n = jnp.sum(mask.astype(jnp.float32))
+  denom = jnp.log(jnp.minimum(n, float(z.shape[-1])))
+  return h, jnp.where(denom > 0, h / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def matrix_entropy(z: jax.Array, alpha: float = 1.0, normalize: bool = True) -> jax.Array:
+  """Matrix entropy S_α of the rows of z, in nats.
+
+  Args:
+    z: [N, D] representations (N samples).
+    alpha: Rényi order (> 0).
+    normalize: centre over rows, then unit-L2 rows (Skean); raw Gram otherwise.
+
+  Returns:
+    float32 scalar.
+  """
+  z = jnp.asarray(z)
+  if z.ndim != 2:
+    raise ValueError(f"matrix_entropy expects z [N, D], got shape {z.shape}")
+  return _matrix_entropy_jit(z, float(alpha), bool(normalize))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _matrix_entropy_jit(z, alpha, normalize):
+  return masked_matrix_entropy(z, jnp.ones(z.shape[:1], bool), alpha, normalize)[0]
+
+
+def prompt_entropy(
+    hidden: jax.Array, mask: jax.Array, alpha: float = 1.0, normalize: bool = True
+) -> tuple[jax.Array, jax.Array]:
+  """Per-sequence matrix entropy for every layer (prompt entropy before averaging).
+
+  One batched eigendecomposition over [L+1, B, m, m], m = min(T, D).
+
+  Args:
+    hidden: [L+1, B, T, D] hidden states (HF indexing).
+    mask: [B, T] bool keep mask (token filter ∧ attention mask).
+    alpha: Rényi order (> 0, static).
+    normalize: Skean normalisation (static).
+
+  Returns:
+    (entropy, normalized): [L+1, B] float32 each. Sequences with fewer than 2 kept tokens give 0; weight them
+    out with `mask.sum(-1) >= 2`.
+  """
+  alpha = _check_alpha(alpha)
+  per_seq = functools.partial(masked_matrix_entropy, alpha=alpha, normalize=normalize)
+  over_batch = jax.vmap(per_seq, in_axes=(0, 0))
+  over_layers = jax.vmap(over_batch, in_axes=(0, None))
+  return over_layers(hidden, mask.astype(bool))
+
+
+def covariance_entropy(
+    second_moment: jax.Array, total: jax.Array, count: jax.Array, alpha: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+  """Entropy of the centred covariance rebuilt from streamed sums (dataset entropy).
+
+  C = Σ x xᵀ − (Σ x)(Σ x)ᵀ / N; the entropy of C / tr C equals that of the centred N×N Gram.
+
+  Args:
+    second_moment: [..., D, D] Σ x xᵀ (float32).
+    total: [..., D] Σ x.
+    count: [...] or scalar N.
+    alpha: Rényi order (> 0).
+
+  Returns:
+    (entropy, normalized): [...] each; normalized divides by log(min(N, D)).
+  """
+  alpha = _check_alpha(alpha)
+  count = jnp.asarray(count, jnp.float32)
+  safe = jnp.where(count > 0, count, 1.0)
+  s = total.astype(jnp.float32)
+  cov = second_moment.astype(jnp.float32) - jnp.einsum(
+      "...d,...e->...de", s, s, precision=_HI) / safe[..., None, None]
+  cov = 0.5 * (cov + jnp.swapaxes(cov, -1, -2))
+  h = entropy_from_gram(cov, alpha)
+  denom = jnp.log(jnp.minimum(count, float(second_moment.shape[-1])))
+  return h, jnp.where(denom > 0, h / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def nonfinite_layers(hidden: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """Per-layer flag: does any (masked) entry of the hidden state hold NaN or inf? Runs on device.
+
+  Args:
+    hidden: [L+1, B, T, D].
+    mask: optional [B, T] bool; only these positions are checked.
+
+  Returns:
+    [L+1] bool.
+  """
+  bad = ~jnp.isfinite(hidden)
+  bad = jnp.any(bad, axis=-1)  # [L+1, B, T]
+  if mask is not None:
+    bad = bad & mask.astype(bool)[None]
+  return jnp.any(bad.reshape(bad.shape[0], -1), axis=-1)
+
+
+def check_finite(flags: jax.Array | np.ndarray, what: str = "hidden state") -> None:
+  """Host-side: raise naming the layers flagged by `nonfinite_layers` (or counts of bad entries).
+
+  Args:
+    flags: [L+1] bool (or counts; nonzero = bad).
+    what: name used in the message.
+
+  Raises:
+    FloatingPointError: when any layer is flagged.
+  """
+  bad = np.flatnonzero(np.asarray(flags))
+  if bad.size:
+    raise FloatingPointError(
+        f"NaN/inf in the {what} at layer index(es) {bad.tolist()} (HF hidden_states indexing: 0 = embeddings)"
+    )

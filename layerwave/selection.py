@@ -1,0 +1,525 @@
+"""Layer selection: statistics → the target layers an EAGLE-3 draft reads (shared/METHOD.md §1, §5).
+
+Place in the pipeline: `LayerStats` (per-layer informativeness E [L+1], pairwise CKA C [L+1, L+1]) →
+`select_layers` → a `LayerSelection` record saved as JSON, carried into every draft checkpoint and export, and
+validated against the target (L, D) on every load.
+
+Layer-id convention ("hf_hidden_states", the only one stored): ids index Hugging Face's `hidden_states` stack,
+[L+1, B, T, D]: 0 = embedding output, i (1 ≤ i < L) = output of decoder block i−1, L = final norm output.
+EAGLE-3's rule is (2, L//2, L−3) here — the numbers vLLM / SGLang store in `eagle_aux_hidden_state_layer_ids`.
+SpecForge and TensorRT-LLM count "output of block j" instead, i.e. hf id = block id + 1; convert only at that
+boundary with `from_block_outputs` / `to_block_outputs`. (Block outputs cover hf ids 1..L−1 and, for the last
+block, the pre-norm tensor that HF does not return — hence `to_block_outputs` refuses 0 and L.)
+
+Objective for a set S (exhaustive / compartment): Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm, with Ê the min-max
+normalisation of E over the candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from layerwave.analysis import compartments as compartments_lib
+
+__all__ = [
+    "CONVENTION",
+    "STRATEGIES",
+    "LayerSelection",
+    "eagle3_layer_ids",
+    "from_block_outputs",
+    "to_block_outputs",
+    "default_candidates",
+    "normalize_informativeness",
+    "subset_objective",
+    "select_layers",
+]
+
+CONVENTION = "hf_hidden_states"
+STRATEGIES = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "random")
+_MAX_SUBSETS = 5_000_000  # exhaustive enumeration limit (C(29, 3) = 3,654 for SmolLM2-135M)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Conventions.
+
+
+def from_block_outputs(block_ids: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
+  """SpecForge / TensorRT-LLM "output of block j" ids → hf_hidden_states ids (j + 1).
+
+  Args:
+    block_ids: 0-based decoder-block indices.
+    num_layers: L, to validate the range 0 ≤ j ≤ L−2 (the last block's output is not an HF hidden state
+      before the final norm).
+
+  Returns:
+    Tuple of hf ids.
+  """
+  out = []
+  for j in block_ids:
+    j = _as_int(j)
+    if j < 0 or (num_layers is not None and j > num_layers - 2):
+      raise ValueError(f"block-output id {j} has no hf_hidden_states equivalent "
+                       f"(valid: 0..{'L-2' if num_layers is None else num_layers - 2})")
+    out.append(j + 1)
+  return tuple(out)
+
+
+def to_block_outputs(ids: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
+  """hf_hidden_states ids → SpecForge / TensorRT-LLM "output of block j" ids (id − 1).
+
+  Args:
+    ids: hf ids, 1 ≤ id ≤ L−1.
+    num_layers: L, to validate the upper bound.
+
+  Returns:
+    Tuple of block ids.
+  """
+  out = []
+  for i in ids:
+    i = _as_int(i)
+    if i < 1 or (num_layers is not None and i > num_layers - 1):
+      raise ValueError(f"hf id {i} has no block-output equivalent (0 = embeddings, L = final norm)")
+    out.append(i - 1)
+  return tuple(out)
+
+
+def eagle3_layer_ids(num_layers: int, k: int = 3) -> tuple[int, ...]:
+  """EAGLE-3's fixed rule in hf ids: (2, L//2, L−3).
+
+  For k ≠ 3 (our generalisation, not part of EAGLE-3): k ids evenly spaced from 2 to L−3 inclusive,
+  rounded; k = 1 gives (L//2,).
+
+  Args:
+    num_layers: L.
+    k: number of layers.
+
+  Returns:
+    Sorted tuple of k distinct ids.
+  """
+  if k < 1:
+    raise ValueError(f"k must be >= 1, got {k}")
+  if k == 3:
+    ids = (2, num_layers // 2, num_layers - 3)
+  elif k == 1:
+    ids = (num_layers // 2,)
+  else:
+    ids = tuple(int(round(v)) for v in np.linspace(2, num_layers - 3, k))
+  if len(set(ids)) != k or min(ids) < 1 or max(ids) > num_layers - 1:
+    raise ValueError(f"the eagle3 rule gives invalid ids {ids} for L={num_layers}, k={k}")
+  return tuple(sorted(ids))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The record.
+
+
+def _as_int(v) -> int:
+  if isinstance(v, bool) or not float(v).is_integer():
+    raise ValueError(f"layer id {v!r} is not an integer")
+  return int(v)
+
+
+def _jsonable(v):
+  if isinstance(v, dict):
+    return {str(k): _jsonable(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_jsonable(x) for x in v]
+  if isinstance(v, np.ndarray):
+    return _jsonable(v.tolist())
+  if isinstance(v, np.generic):
+    return v.item()
+  return v
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSelection:
+  """Which target layers the draft reads, and how they were chosen (immutable, JSON round-trips).
+
+  Attributes:
+    ids: sorted, unique hf_hidden_states ids, each in [0, L].
+    num_layers: L (decoder blocks) of the target.
+    hidden_size: D of the target (None if unknown; then not validated).
+    convention: always "hf_hidden_states".
+    strategy: one of STRATEGIES (or a free name for hand-made records).
+    lam: λ of the objective.
+    min_gap: minimum distance between chosen ids (0 = none).
+    scores: objective and per-layer values of the chosen set.
+    data_hash: hash of the statistics' data (None if unknown).
+    config: the settings that produced the record.
+    seed: seed (used by `random`).
+  """
+
+  ids: tuple[int, ...]
+  num_layers: int
+  hidden_size: int | None = None
+  convention: str = CONVENTION
+  strategy: str = "manual"
+  lam: float = 1.0
+  min_gap: int = 0
+  scores: dict = dataclasses.field(default_factory=dict)
+  data_hash: str | None = None
+  config: dict = dataclasses.field(default_factory=dict)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.convention != CONVENTION:
+      raise ValueError(
+          f"layer ids in convention {self.convention!r}; only {CONVENTION!r} is stored. Convert "
+          "SpecForge / TensorRT-LLM 'output of block j' ids with from_block_outputs (hf id = block id + 1)")
+    num_layers = _as_int(self.num_layers)
+    if num_layers < 1:
+      raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    ids = tuple(_as_int(i) for i in self.ids)
+    if not ids:
+      raise ValueError("a layer selection needs at least one id")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+      raise ValueError(f"duplicate layer ids {dup} in {list(ids)}")
+    neg = [i for i in ids if i < 0]
+    if neg:
+      raise ValueError(f"negative layer ids {neg}; ids index hidden_states [0, L={num_layers}]")
+    out = [i for i in ids if i > num_layers]
+    if out:
+      raise ValueError(f"layer ids {out} out of range for L={num_layers} (valid 0..{num_layers}, "
+                       f"hf_hidden_states convention)")
+    ids = tuple(sorted(ids))
+    if self.strategy == "eagle3" and len(ids) == 3 and num_layers >= 6:
+      expected = eagle3_layer_ids(num_layers)
+      if ids != expected:
+        hint = ""
+        if ids == tuple(sorted(to_block_outputs(expected))):
+          hint = (" — these are the EAGLE-3 ids in the SpecForge / TensorRT-LLM block-output convention; "
+                  "convert them with from_block_outputs")
+        raise ValueError(f"strategy 'eagle3' with ids {list(ids)}, but the rule (2, L//2, L-3) gives "
+                         f"{list(expected)} for L={num_layers}{hint}")
+    if self.hidden_size is not None and _as_int(self.hidden_size) < 1:
+      raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
+    if self.min_gap < 0:
+      raise ValueError(f"min_gap must be >= 0, got {self.min_gap}")
+    object.__setattr__(self, "ids", ids)
+    object.__setattr__(self, "num_layers", num_layers)
+    if self.hidden_size is not None:
+      object.__setattr__(self, "hidden_size", _as_int(self.hidden_size))
+
+  @property
+  def k(self) -> int:
+    return len(self.ids)
+
+  def block_output_ids(self) -> tuple[int, ...]:
+    """The ids in the SpecForge / TensorRT-LLM convention (id − 1)."""
+    return to_block_outputs(self.ids, self.num_layers)
+
+  def validate_for(self, num_layers: int | None = None, hidden_size: int | None = None) -> None:
+    """Raises if this record was made for another model.
+
+    Args:
+      num_layers: L of the target in hand (None: not checked).
+      hidden_size: D of the target in hand (None: not checked).
+    """
+    mismatch = []
+    if num_layers is not None and int(num_layers) != self.num_layers:
+      mismatch.append(f"L={self.num_layers} vs L={int(num_layers)}")
+    if hidden_size is not None and self.hidden_size is not None and int(hidden_size) != self.hidden_size:
+      mismatch.append(f"D={self.hidden_size} vs D={int(hidden_size)}")
+    if mismatch:
+      raise ValueError("layer selection was made for another model (record vs this target): "
+                       + ", ".join(mismatch))
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["ids"] = list(self.ids)
+    return _jsonable(d)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> LayerSelection:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ValueError(f"unknown fields in layer selection record: {unknown}")
+    if "ids" not in d or "num_layers" not in d:
+      raise ValueError("layer selection record needs 'ids' and 'num_layers'")
+    d = dict(d)
+    d["ids"] = tuple(d["ids"])
+    return cls(**d)
+
+  @classmethod
+  def from_json(cls, text: str) -> LayerSelection:
+    return cls.from_dict(json.loads(text))
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes JSON atomically (temporary file in the same folder, then os.replace)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".layer_selection.", suffix=".tmp", dir=folder)
+    try:
+      with os.fdopen(fd, "w") as f:
+        f.write(self.to_json() + "\n")
+      os.replace(tmp, path)
+    except BaseException:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      raise
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, num_layers: int | None = None,
+           hidden_size: int | None = None) -> LayerSelection:
+    """Reads and validates a record; with num_layers / hidden_size, also checks it fits this target.
+
+    Raises:
+      ValueError: malformed record, invalid ids, other convention, or another model's record.
+    """
+    with open(path) as f:
+      try:
+        d = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{os.fspath(path)} is not a JSON layer selection: {e}") from e
+    sel = cls.from_dict(d)
+    sel.validate_for(num_layers, hidden_size)
+    return sel
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strategies.
+
+
+def default_candidates(num_layers: int, include_embeddings: bool = False,
+                       include_final: bool = False) -> tuple[int, ...]:
+  """Candidate ids 1..L−1, optionally with 0 (embeddings) and/or L (final norm)."""
+  lo = 0 if include_embeddings else 1
+  hi = num_layers if include_final else num_layers - 1
+  return tuple(range(lo, hi + 1))
+
+
+def normalize_informativeness(entropy, candidates: Sequence[int]) -> np.ndarray:
+  """Ê: E min-max normalised over the candidates (candidates map to [0, 1]; constant E → 0).
+
+  Args:
+    entropy: [L+1] per-layer informativeness.
+    candidates: candidate ids.
+
+  Returns:
+    [L+1] float64 (non-candidates are normalised with the same affine map).
+  """
+  e = np.asarray(entropy, np.float64)
+  c = e[list(candidates)]
+  lo, hi = c.min(), c.max()
+  return (e - lo) / (hi - lo) if hi > lo else np.zeros_like(e)
+
+
+def subset_objective(subsets: np.ndarray, e_hat: np.ndarray, cka: np.ndarray, lam: float) -> np.ndarray:
+  """Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm for each row of `subsets` [M, k] → [M] (vectorised)."""
+  subsets = np.asarray(subsets)
+  value = e_hat[subsets].sum(axis=1)
+  k = subsets.shape[1]
+  for a, b in itertools.combinations(range(k), 2):
+    value = value - lam * cka[subsets[:, a], subsets[:, b]]
+  return value
+
+
+def _gap_ok(subsets: np.ndarray, min_gap: int) -> np.ndarray:
+  if min_gap <= 1 or subsets.shape[1] < 2:
+    return np.ones(subsets.shape[0], bool)
+  return np.all(np.diff(np.sort(subsets, axis=1), axis=1) >= min_gap, axis=1)
+
+
+def _max_feasible(candidates: Sequence[int], min_gap: int) -> int:
+  """Largest subset of candidates with pairwise distance ≥ min_gap (greedy from the smallest is optimal)."""
+  count, last = 0, None
+  for c in sorted(candidates):
+    if last is None or c - last >= max(min_gap, 1):
+      count, last = count + 1, c
+  return count
+
+
+def _exhaustive(cands: np.ndarray, k: int, e_hat, cka, lam, min_gap) -> tuple[int, ...]:
+  total = math.comb(len(cands), k)
+  if total > _MAX_SUBSETS:
+    raise ValueError(f"exhaustive search over C({len(cands)}, {k}) = {total} subsets exceeds {_MAX_SUBSETS}; "
+                     "use greedy or fewer candidates")
+  subsets = cands[np.array(list(itertools.combinations(range(len(cands)), k)), dtype=np.int64).reshape(-1, k)]
+  value = np.where(_gap_ok(subsets, min_gap), subset_objective(subsets, e_hat, cka, lam), -np.inf)
+  return tuple(int(i) for i in subsets[int(np.argmax(value))])
+
+
+def _greedy(cands: np.ndarray, k: int, e_hat, cka, lam, min_gap) -> tuple[int, ...]:
+  chosen = [int(cands[np.argmax(e_hat[cands])])]
+  while len(chosen) < k:
+    rest = np.array([c for c in cands if c not in chosen
+                     and all(abs(c - s) >= max(min_gap, 1) for s in chosen)], dtype=np.int64)
+    if rest.size == 0:
+      raise ValueError(f"greedy selection found no candidate at distance >= min_gap={min_gap} from {chosen}; "
+                       "use strategy 'exhaustive' or a smaller min_gap")
+    gain = e_hat[rest] - lam * cka[np.ix_(rest, chosen)].max(axis=1)
+    chosen.append(int(rest[np.argmax(gain)]))
+  return tuple(chosen)
+
+
+def select_layers(
+    strategy: str,
+    entropy=None,
+    cka=None,
+    k: int = 3,
+    lam: float = 1.0,
+    min_gap: int = 0,
+    candidates: Sequence[int] | None = None,
+    seed: int = 0,
+    compartments: Sequence[tuple[int, int]] | None = None,
+    *,
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    include_embeddings: bool = False,
+    include_final: bool = False,
+    data_hash: str | None = None,
+    config: dict | None = None,
+) -> LayerSelection:
+  """Chooses k target layers.
+
+  Args:
+    strategy: one of STRATEGIES:
+      eagle3 — (2, L//2, L−3) (k ≠ 3: evenly spaced 2..L−3); ignores the statistics.
+      entropy — the k largest Ê (exact under min_gap).
+      greedy — argmax Ê, then repeatedly argmax_ℓ Ê_ℓ − λ max_{m∈S} C_ℓm.
+      exhaustive — argmax over all k-subsets of the objective.
+      compartment — the best-Ê layer of each compartment, then the best k of those by the objective; at most
+        one per compartment. `compartments` ((start, end) pairs, end exclusive, hf ids) or, if None, the
+        automatic segmentation of C over the candidates (at least k blocks).
+      random — k distinct candidates drawn with `seed`.
+    entropy: [L+1] per-layer informativeness E (e.g. LayerStats.prompt_entropy). Not needed for eagle3/random.
+    cka: [L+1, L+1] pairwise CKA. Needed for greedy / exhaustive / compartment (λ > 0).
+    k: number of layers (≥ 1).
+    lam: λ.
+    min_gap: minimum |ℓ − m| between chosen ids (0 or 1 = no constraint).
+    candidates: allowed ids (default 1..L−1, see include_*).
+    seed: random seed (random strategy), recorded in every case.
+    compartments: optional compartments for the compartment strategy.
+    num_layers: L; inferred from len(entropy) − 1 when omitted.
+    hidden_size: D of the target, stored for load-time validation.
+    include_embeddings: add id 0 to the default candidates.
+    include_final: add id L to the default candidates.
+    data_hash: hash of the statistics' data, stored.
+    config: extra settings to store.
+
+  Returns:
+    LayerSelection.
+
+  Raises:
+    ValueError: unknown strategy, k infeasible for the candidates / min_gap, missing or mis-shaped inputs.
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"unknown layer-selection strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+  k, min_gap = int(k), int(min_gap)
+  if k < 1:
+    raise ValueError(f"k must be >= 1, got {k}")
+  if min_gap < 0:
+    raise ValueError(f"min_gap must be >= 0, got {min_gap}")
+
+  e = None if entropy is None else np.asarray(entropy, np.float64)
+  c = None if cka is None else np.asarray(cka, np.float64)
+  if num_layers is None:
+    if e is None and c is None:
+      raise ValueError("give num_layers, or entropy [L+1] / cka [L+1, L+1] to infer it")
+    num_layers = (e.shape[0] if e is not None else c.shape[0]) - 1
+  num_layers = int(num_layers)
+  if e is not None and e.shape != (num_layers + 1,):
+    raise ValueError(f"entropy must have shape [L+1] = ({num_layers + 1},), got {e.shape}")
+  if c is not None and c.shape != (num_layers + 1, num_layers + 1):
+    raise ValueError(f"cka must have shape [L+1, L+1] = ({num_layers + 1}, {num_layers + 1}), got {c.shape}")
+  for name, arr in (("entropy", e), ("cka", c)):
+    if arr is not None and not np.all(np.isfinite(arr)):
+      raise ValueError(f"{name} holds NaN/inf")
+
+  if candidates is None:
+    candidates = default_candidates(num_layers, include_embeddings, include_final)
+  cands = np.array(sorted({_as_int(i) for i in candidates}), dtype=np.int64)
+  if cands.size == 0 or cands.min() < 0 or cands.max() > num_layers:
+    raise ValueError(f"candidates must be non-empty ids in [0, {num_layers}], got {list(candidates)}")
+  if k > cands.size:
+    raise ValueError(f"k={k} exceeds the {cands.size} candidates {cands.tolist()}")
+  feasible = _max_feasible(cands.tolist(), min_gap)
+  if k > feasible:
+    raise ValueError(f"k={k} is infeasible under min_gap={min_gap}: at most {feasible} of the candidates "
+                     f"{cands.tolist()} are that far apart")
+
+  needs_e = strategy in ("entropy", "greedy", "exhaustive", "compartment")
+  needs_c = strategy in ("greedy", "exhaustive", "compartment") and (lam != 0 or strategy == "compartment")
+  if needs_e and e is None:
+    raise ValueError(f"strategy {strategy!r} needs the per-layer entropy [L+1]")
+  if needs_c and c is None:
+    raise ValueError(f"strategy {strategy!r} needs the CKA matrix [L+1, L+1]")
+  e_hat = normalize_informativeness(e, cands) if e is not None else np.zeros(num_layers + 1)
+  c_use = c if c is not None else np.zeros((num_layers + 1, num_layers + 1))
+  extra: dict[str, Any] = {}
+
+  if strategy == "eagle3":
+    ids = eagle3_layer_ids(num_layers, k)
+    missing = [i for i in ids if i not in set(cands.tolist())]
+    if missing:
+      raise ValueError(f"eagle3 ids {list(ids)} include non-candidates {missing}")
+  elif strategy == "entropy":
+    order = cands[np.argsort(-e_hat[cands], kind="stable")]
+    ids = tuple(int(i) for i in order[:k])
+    if not _gap_ok(np.array([ids]), min_gap)[0]:
+      ids = _exhaustive(cands, k, e_hat, c_use, 0.0, min_gap)
+  elif strategy == "greedy":
+    ids = _greedy(cands, k, e_hat, c_use, lam, min_gap)
+  elif strategy == "exhaustive":
+    ids = _exhaustive(cands, k, e_hat, c_use, lam, min_gap)
+  elif strategy == "compartment":
+    if compartments is None:
+      sub = c_use[np.ix_(cands, cands)]
+      if not np.array_equal(cands, np.arange(cands[0], cands[-1] + 1)):
+        raise ValueError("automatic compartments need contiguous candidates; pass compartments=")
+      seg = compartments_lib.segment(sub, min_blocks=min(k, cands.size), offset=int(cands[0]))
+      compartments = seg.blocks
+    blocks = [(int(s), int(t)) for s, t in compartments]
+    reps = []
+    for s, t in blocks:
+      inside = cands[(cands >= s) & (cands < t)]
+      if inside.size:
+        reps.append(int(inside[np.argmax(e_hat[inside])]))
+    if len(reps) < k:
+      raise ValueError(f"only {len(reps)} compartments hold candidates ({blocks}); k={k} needs at least k")
+    reps_arr = np.array(reps, dtype=np.int64)
+    if _max_feasible(reps, min_gap) < k and min_gap > 1:
+      raise ValueError(f"no {k} compartment representatives {reps} are min_gap={min_gap} apart")
+    ids = _exhaustive(reps_arr, k, e_hat, c_use, lam, min_gap)
+    extra["compartments"] = [list(b) for b in blocks]
+    extra["representatives"] = reps
+  else:  # random
+    rng = np.random.default_rng(seed)
+    for _ in range(10_000):
+      draw = np.sort(rng.choice(cands, size=k, replace=False))
+      if _gap_ok(draw[None], min_gap)[0]:
+        break
+    else:
+      raise ValueError(f"random selection found no {k} candidates min_gap={min_gap} apart in 10000 draws")
+    ids = tuple(int(i) for i in draw)
+
+  ids = tuple(sorted(int(i) for i in ids))
+  arr = np.array([ids])
+  scores = {
+      "objective": float(subset_objective(arr, e_hat, c_use, lam)[0]),
+      "entropy_normalized": {str(i): float(e_hat[i]) for i in ids},
+      "cka_pairs": {f"{a},{b}": float(c_use[a, b]) for a, b in itertools.combinations(ids, 2)},
+  }
+  if e is not None:
+    scores["entropy"] = {str(i): float(e[i]) for i in ids}
+  scores.update(extra)
+  cfg = {"k": k, "candidates": cands.tolist(), "include_embeddings": include_embeddings,
+         "include_final": include_final}
+  cfg.update(config or {})
+  return LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden_size, strategy=strategy,
+                        lam=float(lam), min_gap=min_gap, scores=_jsonable(scores), data_hash=data_hash,
+                        config=_jsonable(cfg), seed=int(seed))
