@@ -27,6 +27,7 @@ setuptools.setup(
         "tensorflow-datasets>=4.9.9",
         "array-record>=0.7",
         "matplotlib>=3.8",
+        "tensorboardX>=2.6",
     ],
     extras_require={
         # torch is pinned: 2.13.0 is the CPU build this project's machines carry (see README).

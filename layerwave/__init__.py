@@ -3,6 +3,7 @@
 Public API (the pipeline in order):
   load_target(spec, dtype)          the target LLM (HF directory, GGUF, short name, hub id)
   generate(target, prompt_ids, ...) autoregressive decoding, the speedup baseline
+  load_draft(path, target)          a trained EAGLE-3 draft (training workdir)
 """
 
 from layerwave.generate import generate
@@ -10,6 +11,8 @@ from layerwave.inference import Target, load_target
 from layerwave.models.config import ModelConfig
 from layerwave.models.target import KVCache, TargetOutput
 from layerwave.sampling import SamplingParams
+from layerwave.training.loop import load_draft
 
 __all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "generate",
+           "load_draft",
            "load_target"]

@@ -91,16 +91,17 @@ def _write(buffer: Array, new: Array, lengths: Array) -> Array:
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
 
-  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, d_in: int | None = None):
     c = config
+    d_in = c.hidden_size if d_in is None else d_in  # the EAGLE-3 draft reads 2 * hidden_size
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
     bias = c.attention_bias
-    self.q_proj = layers.Linear(c.hidden_size, c.num_heads * c.head_dim, use_bias=bias, dtype=dtype,
+    self.q_proj = layers.Linear(d_in, c.num_heads * c.head_dim, use_bias=bias, dtype=dtype,
                                 rngs=rngs)
-    self.k_proj = layers.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=bias,
-                                dtype=dtype, rngs=rngs)
-    self.v_proj = layers.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, use_bias=bias,
-                                dtype=dtype, rngs=rngs)
+    self.k_proj = layers.Linear(d_in, c.num_kv_heads * c.head_dim, use_bias=bias, dtype=dtype,
+                                rngs=rngs)
+    self.v_proj = layers.Linear(d_in, c.num_kv_heads * c.head_dim, use_bias=bias, dtype=dtype,
+                                rngs=rngs)
     self.o_proj = layers.Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
     if c.qk_norm:
       self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)

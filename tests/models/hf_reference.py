@@ -46,3 +46,13 @@ def save_hf_model(name: str, directory: str, seed: int = 0):
   os.makedirs(directory, exist_ok=True)
   model.save_pretrained(directory, safe_serialization=True)
   return model
+
+
+def save_hf_model_with(directory: str, model_type: str = "llama", seed: int = 0, **overrides):
+  """Saves a random model of `model_type` with BASE settings overridden (e.g. a real vocab size)."""
+  config = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+  os.makedirs(directory, exist_ok=True)
+  model.save_pretrained(directory, safe_serialization=True)
+  return model

@@ -1,0 +1,81 @@
+"""SmolLM2-135M-Instruct (embedded, Q4_1 GGUF dequantized to float32): every stage of the pipeline.
+
+  python experiments/analyze.py     --config=configs/smollm2_135m.py --workdir=W
+  python experiments/train_draft.py --config=configs/smollm2_135m.py --workdir=W --config.layers=2,15,27
+  python experiments/speculate.py   --config=configs/smollm2_135m.py --workdir=W --config.draft=W
+  (append `:smoke` to the config path for a seconds-to-a-minute CPU run)
+
+Each stage reads only its own section (`analysis`, `train` + `draft_model`, `speculate`) plus the shared
+fields at the top. Layer ids use the HF hidden-state convention (README): index 0 = embeddings, i = output
+of block i-1, L = final norm. For SmolLM2, L = 30 and EAGLE-3's rule gives [2, 15, 27].
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # -- shared -------------------------------------------------------------------------------------
+  c.model = "smollm2-135m-instruct"
+  c.dtype = "float32"
+  c.mesh = (("data", -1),)
+  c.distributed = False  # call jax.distributed.initialize() (multi-host TPU / GPU)
+  c.seed = 0
+
+  # -- data (layerwave.data): ShareGPT conversations through the chat template --------------------
+  c.data = ml_collections.ConfigDict()
+  c.data.source = "sharegpt"
+  c.data.max_length = 512  # tokens per training / analysis sequence
+  c.data.max_records = 0  # 0 = every conversation
+  c.data.heldout_fraction = 0.05
+  c.data.split_seed = 0
+
+  # -- analysis (experiments/analyze.py) -----------------------------------------------------------
+  c.analysis = ml_collections.ConfigDict()
+
+  # -- draft training (experiments/train_draft.py) ------------------------------------------------
+  c.layers = ""  # "2,15,27" (HF convention); empty = take `selection.strategy` from `selection.path`
+  c.selection = ml_collections.ConfigDict()
+  c.selection.path = ""  # a selection.json written by experiments/analyze.py
+  c.selection.strategy = ""  # which record of that file
+  c.draft_model = ml_collections.ConfigDict()
+  c.draft_model.vocab_size = 32000  # V_d, capped at the target vocabulary
+  c.draft_model.num_layers = 1
+  c.draft_model.fc_norm = False
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 8  # global; divisible by the mesh's data axis
+  c.train.num_steps = 1500
+  c.train.stop_after = 0  # stop after this many steps of this invocation (preemption drills); 0 = off
+  c.train.lr = 3e-4
+  c.train.warmup_steps = 50
+  c.train.b1 = 0.9
+  c.train.b2 = 0.95
+  c.train.weight_decay = 0.0
+  c.train.clip_norm = 0.5
+  c.train.ttt_steps = 7  # K unrolled training-time-test steps
+  c.train.decay = 0.8  # step j weighs decay**j
+  c.train.assistant_only = True  # loss (and vocabulary counts) on assistant tokens only
+  c.train.vocab_examples = 0  # examples counted for the draft vocabulary; 0 = the whole train split
+  c.train.log_every = 25
+  c.train.eval_every = 250
+  c.train.eval_batches = 8
+  c.train.checkpoint_every = 250
+
+  # -- speculative decoding (experiments/speculate.py) --------------------------------------------
+  c.draft = ""  # a training workdir (latest checkpoint) or an exported draft directory
+  c.speculate = ml_collections.ConfigDict()
+
+  if arg == "smoke":
+    c.data.max_length = 128
+    c.data.max_records = 200
+    c.train.batch_size = 2
+    c.train.num_steps = 6
+    c.train.warmup_steps = 2
+    c.train.ttt_steps = 3
+    c.train.log_every = 2
+    c.train.eval_every = 3
+    c.train.eval_batches = 1
+    c.train.checkpoint_every = 3
+  elif arg:
+    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke' or nothing.")
+  return c

@@ -1,0 +1,297 @@
+"""Draft training, end to end: `run(config, workdir)` (called by experiments/train_draft.py and notebooks).
+
+target + LayerSelection → ShareGPT chat dataset (tfds array_record) → draft vocabulary → online
+data-parallel TTT training with periodic held-out evaluation → orbax checkpoints in `workdir/checkpoints`
+(params, optimizer state, step, data position, vocabulary, selection record, draft config). Rerunning with
+the same workdir resumes exactly where the last checkpoint left off; a different config is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from layerwave import checkpoint as ckpt_lib
+from layerwave import data as data_lib
+from layerwave import metrics as metrics_lib
+from layerwave import selection as selection_lib
+from layerwave import sharding
+from layerwave.inference import Target, load_target
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import step as step_lib
+from layerwave.training import vocab as vocab_lib
+
+# Config fields that may change between a run and its resumption (run length, logging, evaluation).
+_RESUMABLE_FIELDS = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
+                     "checkpoint_every")
+
+
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in str(text).replace(" ", "").split(",") if x != "")
+  except ValueError as e:
+    raise ValueError(f"--config.layers must be comma-separated integers like '2,15,27', got "
+                     f"{text!r}.") from e
+
+
+def read_selection(path: str, strategy: str, num_layers: int, hidden_size: int
+                   ) -> selection_lib.LayerSelection:
+  """Reads one strategy's record from a selection file (one record, or records keyed by strategy)."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Selection file {path} does not exist; run experiments/analyze.py first "
+                            "or give --config.layers=2,15,27.")
+  with open(path) as f:
+    content = json.load(f)
+  if isinstance(content, dict) and "ids" in content:
+    records = {content.get("strategy", "manual"): content}
+  elif isinstance(content, dict):
+    records = content.get("selections", content)
+  else:
+    records = {r["strategy"]: r for r in content}
+  if strategy not in records:
+    raise ValueError(f"Selection file {path} has no strategy {strategy!r}; it has "
+                     f"{sorted(records)}.")
+  record = selection_lib.LayerSelection.from_dict(records[strategy])
+  record.validate_for(num_layers, hidden_size)
+  return record
+
+
+def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
+  """The layers to train on: `config.layers` ids, or a strategy from `config.selection.path`."""
+  c = target.config
+  if config.layers:
+    ids = parse_layer_ids(config.layers)
+    record = selection_lib.LayerSelection(ids=ids, num_layers=c.num_layers,
+                                          hidden_size=c.hidden_size, strategy="manual")
+    record.validate_for(c.num_layers, c.hidden_size)
+    return record
+  if not config.selection.path or not config.selection.strategy:
+    raise ValueError("Give the draft's layers: --config.layers=2,15,27, or --config.selection.path="
+                     "W/selection.json with --config.selection.strategy=NAME.")
+  return read_selection(config.selection.path, config.selection.strategy, c.num_layers,
+                        c.hidden_size)
+
+
+def config_fingerprint(config) -> str:
+  """Hash of every setting that fixes what the run computes (run-length settings excluded)."""
+  d = json.loads(config.to_json_best_effort())
+  for key in _RESUMABLE_FIELDS:
+    d.get("train", {}).pop(key, None)
+  d.pop("draft", None)
+  d.pop("speculate", None)
+  d.pop("analysis", None)
+  return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_data(config, target: Target):
+  """Builds (or reuses) the chat dataset; returns (ChatDataset, train source, held-out source)."""
+  c = config.data
+  if c.max_length > target.config.max_position_embeddings:
+    raise ValueError(f"data.max_length={c.max_length} exceeds the target's max_position_embeddings "
+                     f"({target.config.max_position_embeddings}).")
+  options = {"limit": int(c.max_records)} if c.max_records else {}
+  dataset = data_lib.build_chat_dataset(target.tokenizer, c.source, max_length=int(c.max_length),
+                                        heldout_fraction=float(c.heldout_fraction),
+                                        split_seed=int(c.split_seed), source_options=options)
+  if not dataset.num_examples.get("train"):
+    raise ValueError("No training example left after filtering (every conversation was dropped); "
+                     "raise data.max_length or use more records.")
+  heldout = dataset.source("heldout") if dataset.num_examples.get("heldout") else None
+  return dataset, dataset.source("train"), heldout
+
+
+def new_draft(config, target: Target, record: selection_lib.LayerSelection, train_source) -> Draft:
+  """A freshly initialised draft with its vocabulary counted from the training targets."""
+  v_d = min(int(config.draft_model.vocab_size), target.config.vocab_size)
+  dcfg = DraftConfig.from_target(target.config, record.ids, draft_vocab_size=v_d,
+                                 num_layers=int(config.draft_model.num_layers),
+                                 fc_norm=bool(config.draft_model.fc_norm))
+  limit = int(config.train.vocab_examples) or len(train_source)
+  idx = range(min(limit, len(train_source)))
+  counts = vocab_lib.count_tokens((train_source[i] for i in idx), target.config.vocab_size,
+                                  assistant_only=bool(config.train.assistant_only))
+  d2t, t2d = vocab_lib.build_vocab(counts, v_d)
+  coverage = counts[t2d].sum() / max(counts.sum(), 1)
+  logging.info("Draft vocabulary: %d tokens cover %.2f%% of %d training-target tokens.", v_d,
+               100 * coverage, counts.sum())
+  embedding = target.params["embed_tokens"]["embedding"][...]
+  draft = Draft(dcfg, embedding=embedding, dtype=jnp.float32, rngs=nnx.Rngs(int(config.seed)))
+  draft.d2t[...] = jnp.asarray(d2t)
+  draft.t2d[...] = jnp.asarray(t2d)
+  return draft
+
+
+def _replicate(tree, mesh):
+  return jax.device_put(tree, sharding.replicated(mesh))
+
+
+def _evaluate(source, config, target, state, vocab, embed, graphdef, kwargs) -> dict:
+  it = data_lib.BatchIterator(source, batch_size=int(config.train.batch_size),
+                              seq_len=int(config.data.max_length),
+                              pad_id=int(target.tokenizer.pad_token_id or 0), shuffle=False,
+                              drop_remainder=False, num_epochs=1)
+  sums, n = None, 0
+  for i, batch in enumerate(it):
+    if i >= int(config.train.eval_batches):
+      break
+    arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
+    arrays = jax.device_put(arrays, sharding.batch_sharding(target.mesh))
+    m = step_lib.eval_step(state.params, vocab, embed, target.params, arrays,
+                           draft_graphdef=graphdef, target_graphdef=target.graphdef, **kwargs)
+    m = jax.device_get(m)
+    sums = m if sums is None else jax.tree.map(np.add, sums, m)
+    n += 1
+  if not n:
+    return {}
+  mean = jax.tree.map(lambda x: np.asarray(x) / n, sums)
+  mean["sim_tau"] = float(1.0 + np.sum(np.cumprod(mean["acc_j"])))
+  mean.pop("tokens", None)
+  return mean
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) a draft in `workdir`; returns the final held-out metrics."""
+  metrics_lib.quiet_library_logs()
+  sharding.maybe_initialize_distributed(config.distributed)
+  mesh = sharding.make_mesh(config.mesh)
+  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  if target.tokenizer is None:
+    raise ValueError(f"{config.model} has no tokenizer; training data cannot be tokenised.")
+  record = resolve_selection(config, target)
+  t = config.train
+  sharding.check_batch(mesh, int(t.batch_size))
+  dataset, train_source, heldout = load_data(config, target)
+  fingerprint = config_fingerprint(config)
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  tx = step_lib.make_optimizer(float(t.lr), int(t.warmup_steps), int(t.num_steps),
+                               clip_norm=float(t.clip_norm), b1=float(t.b1), b2=float(t.b2),
+                               weight_decay=float(t.weight_decay))
+  latest = ckpt.latest_step()
+  if latest is not None:
+    meta = ckpt.read_meta(latest)
+    if meta["config_fingerprint"] != fingerprint:
+      raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
+                       f"{meta['config_fingerprint']} vs {fingerprint}); resume with the same config "
+                       "or use a new --workdir.")
+    dcfg = DraftConfig.from_dict(meta["draft_config"])
+    draft = nnx.eval_shape(lambda: Draft(dcfg, rngs=nnx.Rngs(0)))
+  else:
+    draft = new_draft(config, target, record, train_source)
+    meta = None
+  graphdef, params, vocab, frozen = step_lib.split_draft(draft)
+  # The frozen embedding is the target's own matrix (never checkpointed).
+  target_embedding = target.params["embed_tokens"]["embedding"][...]
+  embed = jax.tree.map(lambda _: target_embedding, frozen)
+  if meta is None:
+    state = _replicate(step_lib.init_state(params, tx), mesh)
+    vocab = _replicate(vocab, mesh)
+    position = data_lib.Position()
+  else:
+    abstract_state = jax.eval_shape(lambda p: step_lib.init_state(p, tx), params)
+    abstract_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)),
+        abstract_state)
+    abstract_vocab = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)), vocab)
+    state, vocab, meta = ckpt.restore(abstract_state, abstract_vocab, latest)
+    position = data_lib.Position.from_dict(meta["data_position"])
+    logging.info("Resumed from step %d (data position %s).", int(state.step), position)
+  embed = _replicate(embed, mesh)
+  base_meta = {"config_fingerprint": fingerprint, "draft_config": draft.config.to_dict(),
+               "selection": record.to_dict(), "dataset": dataset.name,
+               "config": json.loads(config.to_json_best_effort())}
+  it = data_lib.BatchIterator(train_source, batch_size=int(t.batch_size),
+                              seq_len=int(config.data.max_length),
+                              pad_id=int(target.tokenizer.pad_token_id or 0), seed=int(config.seed),
+                              position=position)
+  kwargs = dict(steps=int(t.ttt_steps), decay=float(t.decay), assistant_only=bool(t.assistant_only))
+  writer = metrics_lib.MetricWriter(workdir)
+  start_step = int(state.step)
+  stop = min(int(t.num_steps), start_step + int(t.stop_after)) if t.stop_after else int(t.num_steps)
+  batch_sharding = sharding.batch_sharding(mesh)
+  tic, tokens_seen, last = time.perf_counter(), 0, {}
+  step = start_step
+  for step in range(start_step, stop):
+    batch = next(it)
+    arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
+    tokens_seen += int(batch.attention_mask.sum())
+    state, m = step_lib.train_step(state, vocab, embed, target.params,
+                                   jax.device_put(arrays, batch_sharding), draft_graphdef=graphdef,
+                                   target_graphdef=target.graphdef, tx=tx, **kwargs)
+    done = step + 1
+    if done % int(t.log_every) == 0 or done == stop:
+      m = jax.device_get(m)
+      elapsed = time.perf_counter() - tic
+      rate = tokens_seen / elapsed
+      eta = (stop - done) * elapsed / max(done - start_step, 1)
+      scalars = metrics_lib.flatten("train", {k: m[k] for k in ("loss", "grad_norm", "sim_tau")})
+      scalars.update(metrics_lib.flatten("draft", {"acc_j": m["acc_j"]}))
+      scalars["train/tokens_per_s"] = rate
+      writer.write_scalars(done, scalars)
+      logging.info("step %d/%d  loss %.3f  acc_0 %.3f  %.0f tok/s  ETA %.0fs", done,
+                   int(t.num_steps), float(m["loss"]), float(m["acc_j"][0]), rate, eta)
+    if heldout is not None and (done % int(t.eval_every) == 0 or done == int(t.num_steps)):
+      last = _evaluate(heldout, config, target, state, vocab, embed, graphdef, kwargs)
+      scalars = metrics_lib.flatten("eval", {"loss": last["loss"], "sim_tau": last["sim_tau"]})
+      scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"]}))
+      writer.write_scalars(done, scalars)
+    if done % int(t.checkpoint_every) == 0 or done == stop:
+      ckpt.save(done, state, vocab, {**base_meta, "step": done,
+                                     "data_position": it.position.to_dict()})
+  writer.close()
+  ckpt.close()
+  result = {"step": int(jax.device_get(state.step)), "layers": list(record.ids),
+            "tokens_per_s": tokens_seen / max(time.perf_counter() - tic, 1e-9)}
+  if last:
+    result.update({"heldout_acc": [float(a) for a in last["acc_j"]],
+                   "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"])})
+  return result
+
+
+def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
+  """Loads a trained draft for `target`.
+
+  Args:
+    path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory.
+    target: the target the draft was trained for (its embedding is shared, its shape is checked).
+    step: a specific checkpoint step; default the latest.
+
+  Returns:
+    The `Draft` (NNX module), ready for `layerwave.speculative.generate`.
+
+  Raises:
+    FileNotFoundError: no checkpoint under `path`.
+    ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
+  """
+  directory = os.path.join(path, "checkpoints") if os.path.isdir(
+      os.path.join(path, "checkpoints")) else path
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No draft at {path}: expected a training workdir with checkpoints/.")
+  ckpt = ckpt_lib.Checkpointer(directory)
+  try:
+    meta = ckpt.read_meta(step)
+    dcfg = DraftConfig.from_dict(meta["draft_config"])
+    dcfg.check_target(target.config)
+    selection_lib.LayerSelection.from_dict(meta["selection"]).validate_for(
+        target.config.num_layers, target.config.hidden_size)
+    abstract = nnx.eval_shape(lambda: Draft(dcfg, rngs=nnx.Rngs(0)))
+    graphdef, params, vocab, frozen = step_lib.split_draft(abstract)
+    tx = step_lib.make_optimizer(1e-4, 1, 2)  # only its state's structure matters for the restore
+    rep = sharding.replicated(target.mesh)
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
+    abstract_state = jax.tree.map(spec, jax.eval_shape(lambda p: step_lib.init_state(p, tx),
+                                                       params))
+    state, vocab, _ = ckpt.restore(abstract_state, jax.tree.map(spec, vocab), step)
+  finally:
+    ckpt.close()
+  embedding = target.params["embed_tokens"]["embedding"][...]
+  return nnx.merge(graphdef, state.params, vocab, jax.tree.map(lambda _: embedding, frozen))

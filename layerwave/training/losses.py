@@ -1,0 +1,103 @@
+"""The training-time-test (TTT) loss of an EAGLE-3 draft (METHOD §7).
+
+Step 0 reads the fused target features g_t; step j > 0 reads the draft's own output features at the same
+positions, with the input tokens shifted by one more token and RoPE positions offset by j. At step j, draft
+position t reads token x_{t+1+j} and is trained towards the target's distribution over x_{t+2+j} (the
+target's logits at position t+1+j), restricted to the draft vocabulary and renormalised, by soft
+cross-entropy. Positions whose target argmax lies outside the draft vocabulary, padding, and (by flag)
+non-assistant tokens are masked. Total = Σ_j decay^j L_j.
+
+Legend: B batch, T tokens, k selected layers, D target width, V / V_d target / draft vocabulary, N steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from layerwave.models.draft import Draft
+
+
+def target_targets(target_logits: jax.Array, draft: Draft) -> tuple[jax.Array, jax.Array]:
+  """Target log-probs over the draft vocabulary `[B, T, V_d]` and whether its argmax is in it `[B, T]`."""
+  in_vocab = jnp.take(draft.t2d[...], jnp.argmax(target_logits, axis=-1))
+  restricted = jnp.take(target_logits, draft.draft_token_ids(), axis=-1)
+  return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab
+
+
+def _shift(x: jax.Array, by: jax.Array, length: int) -> jax.Array:
+  """`x[:, by : by + length]` along axis 1 for `x` already padded at the end."""
+  return jax.lax.dynamic_slice_in_dim(x, by, length, axis=1)
+
+
+def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens: jax.Array,
+             attention_mask: jax.Array, loss_mask: jax.Array, *, steps: int, decay: float = 0.8):
+  """Unrolled TTT loss.
+
+  Args:
+    draft: the draft (merged NNX module, inside a transform).
+    features: `[k, B, T, D]` the selected target layers' hidden states.
+    target_logits: `[B, T, V]` target logits (position p predicts token p+1).
+    tokens: `[B, T]` token ids.
+    attention_mask: `[B, T]` 1 on real tokens.
+    loss_mask: `[B, T]` 1 on tokens the loss may predict (assistant tokens, or every real token).
+    steps: N unrolled steps (static).
+    decay: weight of step j is decay**j.
+
+  Returns:
+    (scalar loss, metrics dict with per-step `loss_j`, `acc_j` and `tokens_j` arrays `[N]`).
+  """
+  _, t = tokens.shape
+  pad = steps + 1
+  logp, in_vocab = target_targets(target_logits, draft)
+  predictable = (loss_mask * attention_mask).astype(bool)
+  tokens_p = jnp.pad(tokens, ((0, 0), (0, pad)))
+  logp_p = jnp.pad(logp, ((0, 0), (0, pad), (0, 0)))
+  in_vocab_p = jnp.pad(in_vocab, ((0, 0), (0, pad)))
+  predictable_p = jnp.pad(predictable, ((0, 0), (0, pad)))
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+  key_mask = attention_mask.astype(bool)
+
+  def step_terms(j, h_logits):
+    tgt = _shift(logp_p, j + 1, t)  # target at position t+1+j predicts x_{t+2+j}
+    mask = (_shift(predictable_p, j + 2, t) & _shift(in_vocab_p, j + 1, t)).astype(jnp.float32)
+    logq = jax.nn.log_softmax(h_logits, axis=-1)
+    ce = -jnp.sum(jnp.exp(tgt) * logq, axis=-1)
+    n = jnp.sum(mask)
+    loss = jnp.sum(ce * mask) / jnp.maximum(n, 1.0)
+    agree = (jnp.argmax(h_logits, -1) == jnp.argmax(tgt, -1)).astype(jnp.float32)
+    acc = jnp.sum(agree * mask) / jnp.maximum(n, 1.0)
+    return loss, acc, n
+
+  g = draft.fuse(features)
+  diag = draft.ttt_init(tokens.shape[0], t, steps, dtype=g.dtype)
+  zero = jnp.asarray(0, jnp.int32)
+  h, logits, base, diag = draft.ttt_step(g, _shift(tokens_p, 1, t), positions, zero, None, diag,
+                                         key_mask)
+  loss0, acc0, n0 = step_terms(zero, logits)
+
+  def body(carry, j):
+    h, diag = carry
+    h, logits, _, diag = draft.ttt_step(h, _shift(tokens_p, j + 1, t), positions + j, j, base,
+                                        diag, key_mask)
+    return (h, diag), step_terms(j, logits)
+
+  if steps > 1:
+    _, (losses, accs, ns) = jax.lax.scan(body, (h, diag), jnp.arange(1, steps, dtype=jnp.int32))
+    losses = jnp.concatenate([loss0[None], losses])
+    accs = jnp.concatenate([acc0[None], accs])
+    ns = jnp.concatenate([n0[None], ns])
+  else:
+    losses, accs, ns = loss0[None], acc0[None], n0[None]
+  weights = decay ** jnp.arange(steps, dtype=jnp.float32)
+  total = jnp.sum(weights * losses)
+  return total, {"loss_j": losses, "acc_j": accs, "tokens_j": ns}
+
+
+def simulated_tau(acc: jax.Array) -> jax.Array:
+  """Expected accepted length of a greedy chain from per-step top-1 agreement `[N]`.
+
+  Treats step j's agreement as the chance of accepting draft token j given tokens < j were accepted:
+  τ ≈ 1 + Σ_j Π_{i<=j} acc_i (the leading 1 is the target's bonus token).
+  """
+  return 1.0 + jnp.sum(jnp.cumprod(acc))

@@ -1,0 +1,100 @@
+"""Draft training end to end on the real data pipeline: resume exactness, refusals, load_draft."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import layerwave
+from layerwave import checkpoint as ckpt_lib
+from layerwave.training import loop
+
+
+def _params(workdir, target):
+  draft = layerwave.load_draft(workdir, target)
+  from flax import nnx
+  return jax.tree.leaves(nnx.state(draft, nnx.Param))
+
+
+def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path):
+  full = loop.run(tiny_config, str(tmp_path / "full"))
+  assert full["step"] == 4 and len(full["heldout_acc"]) == 2
+  interrupted = tiny_config.copy_and_resolve_references()
+  interrupted.train.stop_after = 3  # dies after step 3 (checkpoint at 2 and 3)
+  assert loop.run(interrupted, str(tmp_path / "resumed"))["step"] == 3
+  interrupted.train.stop_after = 0
+  assert loop.run(interrupted, str(tmp_path / "resumed"))["step"] == 4
+  target = layerwave.load_target(tiny_config.model)
+  for a, b in zip(_params(str(tmp_path / "full"), target), _params(str(tmp_path / "resumed"),
+                                                                     target)):
+    np.testing.assert_array_equal(a, b)
+  lines = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
+  assert any("eval/sim_tau" in l for l in lines) and any("train/loss" in l for l in lines)
+
+
+def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):
+  tiny_config.train.num_steps = 2
+  loop.run(tiny_config, str(tmp_path))
+  tiny_config.train.lr = 5e-3
+  with pytest.raises(ValueError, match="different config"):
+    loop.run(tiny_config, str(tmp_path))
+
+
+def test_interrupted_save_leaves_previous_checkpoint_usable(tiny_config, tmp_path):
+  tiny_config.train.num_steps = 2
+  loop.run(tiny_config, str(tmp_path))
+  # What a save killed midway leaves: orbax's uncommitted temporary directory.
+  os.makedirs(tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000")
+  assert ckpt_lib.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+  target = layerwave.load_target(tiny_config.model)
+  assert layerwave.load_draft(str(tmp_path), target).config.layer_ids == (1, 2, 3)
+
+
+def test_load_draft_refuses_another_target(tiny_config, tmp_path):
+  tiny_config.train.num_steps = 1
+  tiny_config.train.checkpoint_every = 1
+  loop.run(tiny_config, str(tmp_path))
+  other = layerwave.load_target("smollm2-135m-instruct")
+  with pytest.raises(ValueError, match=r"\(L, D, V\) = \(4, 32, 49152\)"):
+    layerwave.load_draft(str(tmp_path), other)
+  with pytest.raises(FileNotFoundError, match="No draft"):
+    layerwave.load_draft(str(tmp_path / "nothing"), other)
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    (lambda c: setattr(c, "layers", "1,9"), ValueError, "out of range"),
+    (lambda c: setattr(c, "layers", "1,1"), ValueError, "duplicate"),
+    (lambda c: setattr(c, "layers", "a,b"), ValueError, "comma-separated integers"),
+    (lambda c: setattr(c.data, "max_length", 100000), ValueError, "max_position_embeddings"),
+    (lambda c: (setattr(c, "layers", ""), setattr(c.selection, "path", "/nonexistent.json"),
+                setattr(c.selection, "strategy", "greedy")), FileNotFoundError, "analyze.py"),
+    (lambda c: setattr(c, "layers", ""), ValueError, "Give the draft's layers"),
+])
+def test_bad_training_inputs(tiny_config, tmp_path, edit, error, match):
+  edit(tiny_config)
+  with pytest.raises(error, match=match):
+    loop.run(tiny_config, str(tmp_path))
+
+
+def test_selection_file_without_the_strategy(tiny_config, tmp_path):
+  path = tmp_path / "selection.json"
+  record = {"ids": [1, 3], "num_layers": 4, "hidden_size": 32, "strategy": "greedy"}
+  path.write_text(json.dumps({"greedy": record}))
+  tiny_config.layers = ""
+  tiny_config.selection.path = str(path)
+  tiny_config.selection.strategy = "entropy"
+  with pytest.raises(ValueError, match=r"no strategy 'entropy'; it has \['greedy'\]"):
+    loop.run(tiny_config, str(tmp_path / "w"))
+  tiny_config.selection.strategy = "greedy"
+  tiny_config.train.num_steps = 1
+  assert loop.run(tiny_config, str(tmp_path / "w"))["layers"] == [1, 3]
+
+
+def test_selection_file_for_another_model(tmp_path):
+  path = tmp_path / "selection.json"
+  path.write_text(json.dumps({"greedy": {"ids": [2, 15, 27], "num_layers": 30,
+                                         "hidden_size": 576, "strategy": "greedy"}}))
+  with pytest.raises(ValueError, match="30"):
+    loop.read_selection(str(path), "greedy", num_layers=4, hidden_size=32)

@@ -1,0 +1,101 @@
+"""The jitted online train step: loss falls on a tiny overfit, one compile, 8 devices equal one."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import layerwave
+from layerwave import sharding
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import step as step_lib
+
+from tests.models import hf_reference
+
+torch = pytest.importorskip("torch")
+
+
+def make_peaky_target(directory):
+  """A random tiny target with a sharpened LM head: near one-hot next-token distributions."""
+  model = hf_reference.make_hf_model("llama", seed=5)
+  with torch.no_grad():
+    model.lm_head.weight.mul_(30.0)
+  model.save_pretrained(directory, safe_serialization=True)
+  return layerwave.load_target(directory)
+
+
+def setup(target, batch_size=4, t=16, seed=0):
+  cfg = DraftConfig.from_target(target.config, (1, 2, 3), draft_vocab_size=97)
+  draft = Draft(cfg, embedding=target.params["embed_tokens"]["embedding"][...],
+                rngs=nnx.Rngs(seed))
+  graphdef, params, vocab, embed = step_lib.split_draft(draft)
+  tx = step_lib.make_optimizer(3e-3, 5, 400)
+  rep = sharding.replicated(target.mesh)
+  state = jax.device_put(step_lib.init_state(params, tx), rep)
+  vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
+  rng = np.random.default_rng(seed)
+  batch = {"input_ids": rng.integers(3, 97, (batch_size, t)).astype(np.int32),
+           "attention_mask": np.ones((batch_size, t), np.int32),
+           "assistant_mask": np.ones((batch_size, t), np.int32)}
+  batch["attention_mask"][1, 12:] = 0
+  batch = jax.device_put(batch, sharding.batch_sharding(target.mesh))
+  kw = dict(draft_graphdef=graphdef, target_graphdef=target.graphdef, tx=tx, steps=3, decay=0.8,
+            assistant_only=True)
+  return state, vocab, embed, batch, kw
+
+
+def test_loss_falls_and_step_compiles_once(tmp_path):
+  target = make_peaky_target(str(tmp_path))
+  state, vocab, embed, batch, kw = setup(target)
+  before = step_lib.train_step._cache_size()
+  history = []
+  for _ in range(120):
+    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
+    history.append((float(m["loss"]), np.asarray(m["acc_j"])))
+  assert step_lib.train_step._cache_size() - before == 1  # one compile for the whole run
+  first, last = history[0], history[-1]
+  assert last[0] < 0.45 * first[0]  # the floor is the target's own entropy (~1.8 nats a step)
+  assert last[1].min() > 0.85 and first[1].max() < 0.1  # memorised the batch, later steps too
+  assert int(state.step) == 120
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from tests.training import step_test
+    import layerwave
+    from layerwave.training import step as step_lib
+    assert len(jax.devices()) == 8
+    target = layerwave.load_target(sys.argv[1])
+    state, vocab, embed, batch, kw = step_test.setup(target, batch_size=8)
+    for _ in range(3):
+      state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
+    leaves = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]
+    json.dump({"params": leaves, "loss": float(m["loss"])}, open(sys.argv[2], "w"))
+""")
+
+
+def test_eight_devices_equal_one(tmp_path):
+  target = make_peaky_target(str(tmp_path / "model"))
+  out = str(tmp_path / "out.json")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "model"), out, repo], check=True,
+                 env=env, timeout=600)
+  state, vocab, embed, batch, kw = setup(target, batch_size=8)
+  for _ in range(3):
+    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
+  got = json.load(open(out))
+  assert abs(got["loss"] - float(m["loss"])) < 1e-4
+  for a, b in zip(got["params"], jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b, atol=2e-5)
