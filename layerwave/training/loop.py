@@ -127,7 +127,25 @@ def new_draft(config, target: Target, record: selection_lib.LayerSelection, trai
   draft = Draft(dcfg, embedding=embedding, dtype=jnp.float32, rngs=nnx.Rngs(int(config.seed)))
   draft.d2t[...] = jnp.asarray(d2t)
   draft.t2d[...] = jnp.asarray(t2d)
+  if config.draft_model.init_from_target:
+    init_head_from_target(draft, target)
   return draft
+
+
+def init_head_from_target(draft: Draft, target: Target) -> None:
+  """Starts the draft's final norm and LM head from the target's (rows of the draft vocabulary).
+
+  The draft then begins by reading its feature h as the target reads its last hidden state, so a short
+  CPU budget goes into learning h rather than an LM head from scratch. Needs d == D.
+  """
+  if draft.config.model.hidden_size != target.config.hidden_size:
+    raise ValueError("draft_model.init_from_target needs the draft width to equal the target's.")
+  tp = target.params
+  head = (tp["embed_tokens"]["embedding"][...].T if target.config.tie_word_embeddings
+          else tp["lm_head"]["kernel"][...])  # [D, V]
+  draft.lm_head.kernel[...] = jnp.take(head, draft.draft_token_ids(), axis=1).astype(
+      draft.lm_head.kernel.dtype)
+  draft.norm.scale[...] = tp["norm"]["scale"][...].astype(draft.norm.scale.dtype)
 
 
 def _replicate(tree, mesh):
