@@ -31,7 +31,36 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.split_seed = 0
 
   # -- analysis (experiments/analyze.py) -----------------------------------------------------------
+  # shared/METHOD.md §2-§6; reads `data` for the sequences (`data.max_length` tokens each).
   c.analysis = ml_collections.ConfigDict()
+  c.analysis.split = "train"
+  c.analysis.batch_size = 8  # sequences per batch (divisible by the mesh's 'data' axis)
+  c.analysis.num_batches = 0  # 0 = until max_tokens (or the split) is used up
+  c.analysis.max_tokens = 200_000  # eligible (assistant) tokens read: ~100k kept at q=50 (two-half stability)
+  c.analysis.seed = 0  # batch order, HSIC minibatch shuffle, exact-CKA subsample, `random` strategy
+  c.analysis.log_every = 10
+  c.analysis.temperature = 1.0  # token entropy from softmax(logits / T)
+  c.analysis.filter = "percentile"  # "percentile" (keep H >= q-th percentile) | "threshold" (nats)
+  c.analysis.percentile = 50.0
+  c.analysis.threshold = 0.0  # nats, filter="threshold" only
+  c.analysis.calibration_batches = 4  # percentile calibration pass (forward only)
+  c.analysis.assistant_only = True  # only assistant-turn tokens enter the statistics
+  c.analysis.unfiltered = "matched"  # control without the filter: "matched" (same n) | "all" | "none"
+  c.analysis.alpha = 1.0  # Rényi order of the matrix entropy
+  c.analysis.normalize = "skean"  # "skean" (centre + unit rows) | "none"
+  c.analysis.granularity = "prompt"  # informativeness E: "prompt" | "dataset" entropy
+  c.analysis.normalized_entropy = False  # E divided by log(min(n, D))
+  c.analysis.cka = "minibatch"  # C: "minibatch" (unbiased HSIC) | "exact" (token subsample)
+  c.analysis.hsic_batch_size = 256  # tokens per HSIC minibatch
+  c.analysis.exact_cka_tokens = 2048  # exact-CKA subsample of kept tokens (0 = off; cka="exact" needs it)
+  c.analysis.include_embeddings = False  # candidate id 0
+  c.analysis.include_final = False  # candidate id L
+  c.analysis.k = 3
+  c.analysis.lam = 1.0
+  c.analysis.min_gap = 0
+  c.analysis.strategies = "eagle3,entropy,greedy,exhaustive,compartment,random"
+  c.analysis.num_blocks = 0  # compartments: 0 = automatic
+  c.analysis.stability = True  # even / odd batches accumulated apart; agreement in layer_stats.json
 
   # -- draft training (experiments/train_draft.py) ------------------------------------------------
   c.layers = ""  # "2,15,27" (HF convention); empty = take `selection.strategy` from `selection.path`
@@ -63,12 +92,33 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 250
 
   # -- speculative decoding (experiments/speculate.py) --------------------------------------------
-  c.draft = ""  # a training workdir (latest checkpoint) or an exported draft directory
+  c.draft = ""  # a training workdir (latest checkpoint), or "random" for an untrained draft (smoke runs)
   c.speculate = ml_collections.ConfigDict()
+  c.speculate.dataset = "mtbench"  # mtbench (first turns) | humaneval | gsm8k
+  c.speculate.num_prompts = 80  # 0 = every prompt of the dataset
+  c.speculate.batch_size = 8  # prompts per generate call
+  c.speculate.max_new_tokens = 256
+  c.speculate.temperature = 0.0
+  c.speculate.top_k = 0
+  c.speculate.top_p = 1.0
+  c.speculate.method = "chain"  # chain | tree
+  c.speculate.num_draft_tokens = 5  # K (chain)
+  c.speculate.tree_depth = 5  # EAGLE-2 dynamic tree budget
+  c.speculate.tree_top_k = 8
+  c.speculate.tree_tokens = 48
+  c.speculate.draft_sample = False  # chain: sample drafts from q (T > 0) instead of argmax
+  c.speculate.compare_ar = True  # also run layerwave.generate on the same prompts: speedup, equality
 
   if arg == "smoke":
     c.data.max_length = 128
     c.data.max_records = 200
+    c.analysis.batch_size = 4
+    c.analysis.num_batches = 4
+    c.analysis.max_tokens = 0
+    c.analysis.calibration_batches = 1
+    c.analysis.hsic_batch_size = 64
+    c.analysis.exact_cka_tokens = 256
+    c.analysis.log_every = 2
     c.train.batch_size = 2
     c.train.num_steps = 6
     c.train.warmup_steps = 2
@@ -77,6 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_every = 3
     c.train.eval_batches = 1
     c.train.checkpoint_every = 3
+    c.speculate.num_prompts = 2
+    c.speculate.batch_size = 2
+    c.speculate.max_new_tokens = 32
   elif arg == "cpu":
     # The draft this repository reports (BENCHMARKS.md): what a 2-core CPU trains in ~45 minutes.
     # V_d is cut to 8,192 because the draft's LM head dominates the step's cost on a CPU.

@@ -12,6 +12,7 @@ from layerwave.models.config import ModelConfig
 from layerwave.models.target import KVCache, TargetOutput
 from layerwave.sampling import SamplingParams
 from layerwave.training.loop import load_draft
+from layerwave import speculative  # layerwave.speculative.generate
 
 __all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "generate",
            "load_draft",

@@ -1,0 +1,167 @@
+"""Speculative decoding with a trained draft over MT-bench, HumanEval or GSM8K prompts (the last stage).
+
+  python experiments/speculate.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
+  python experiments/speculate.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
+      --workdir=/tmp/spec --prompt="What is 12 times 7?"
+
+Reads `config.speculate` (dataset, sampling, chain or tree) and `config.draft` (a training workdir, or
+`random` for an untrained draft reading `config.layers` or EAGLE-3's default layers: a smoke run, τ ≈ 1).
+Prompts go through the target's chat template. With `compare_ar`, `layerwave.generate` decodes the same
+batches in the same process, giving the speedup and (greedy) a token-for-token equality check. Writes
+`W/spec_metrics.json` (config, aggregate and per-batch metrics) and `W/spec_generations.jsonl`, and prints a
+table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+import numpy as np
+from flax import nnx
+from ml_collections import config_flags
+
+import layerwave
+from layerwave import selection
+from layerwave import sharding
+from layerwave.data import chat
+from layerwave.data import sources
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.speculative import decode
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where spec_metrics.json goes.")
+_PROMPT = flags.DEFINE_string("prompt", None, "One question instead of the dataset.")
+
+
+def load_draft(config, target) -> Any:
+  """`config.draft`: a training workdir, or "random" (untrained, for smoke runs)."""
+  if not config.draft:
+    raise ValueError("Set --config.draft to a draft training workdir (or 'random' for a smoke run).")
+  if config.draft != "random":
+    return layerwave.load_draft(config.draft, target)
+  ids = (tuple(int(x) for x in config.layers.split(",")) if config.get("layers")
+         else selection.eagle3_layer_ids(target.config.num_layers))
+  dcfg = DraftConfig.from_target(target.config, ids, draft_vocab_size=min(
+      config.draft_model.vocab_size, target.config.vocab_size))
+  return Draft(dcfg, embedding=target.params["embed_tokens"]["embedding"][...],
+               rngs=nnx.Rngs(config.seed))
+
+
+def prompts_for(config, tokenizer, prompt: str | None) -> list[tuple[str, list[int]]]:
+  """(id, token ids) per prompt: the chat-templated first user turn."""
+  s = config.speculate
+  if prompt:
+    records = [sources.Record(id="prompt", source="prompt",
+                              messages=({"role": "user", "content": prompt},))]
+  else:
+    records = sources.get_source(s.dataset, limit=s.num_prompts or None)
+  return [(r.id, chat.encode_prompt(tokenizer, r.messages[:1]).tolist()) for r in records]
+
+
+def spec_options(s) -> dict[str, Any]:
+  return dict(method=s.method, num_draft_tokens=s.num_draft_tokens, tree_depth=s.tree_depth,
+              tree_top_k=s.tree_top_k, tree_tokens=s.tree_tokens, draft_sample=s.draft_sample)
+
+
+def decode_all(target, draft, items, s, seed: int, speculative: bool = True):
+  """Decodes `items` in batches of `s.batch_size` (after one warm-up call on the first batch).
+
+  Returns:
+    (outputs per prompt, summed accept-length histogram or None, seconds, per-batch metrics).
+  """
+  sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
+  if speculative:
+    fn = lambda ids: layerwave.speculative.generate(  # noqa: E731
+        target, draft, ids, s.max_new_tokens, **sampling, **spec_options(s))
+  else:
+    fn = lambda ids: layerwave.generate(  # noqa: E731
+        target, ids, s.max_new_tokens, **sampling, return_stats=True)
+  batches = [[p for _, p in items[i:i + s.batch_size]] for i in range(0, len(items), s.batch_size)]
+  fn(batches[0])  # compile the first batch's shapes
+  outs, hist, seconds, per_batch = [], None, 0.0, []
+  for ids in batches:
+    start = time.perf_counter()
+    out, m = fn(ids)
+    dt = time.perf_counter() - start
+    seconds += dt
+    outs.extend(out)
+    row = {"seconds": dt, "new_tokens": sum(len(o) for o in out)}
+    if speculative:
+      h = np.asarray(m["accept_length_hist"])
+      hist = h if hist is None else hist + h
+      row.update(tau=m["tau"], verify_calls=m["verify_calls"])
+    per_batch.append(row)
+  return outs, hist, seconds, per_batch
+
+
+def evaluate(target, draft, items, s, seed: int, ar=None) -> tuple[dict[str, Any], list, list]:
+  """Speculative metrics over `items`; with `ar` = (AR outputs, AR seconds), speedup and equality too."""
+  outs, hist, seconds, per_batch = decode_all(target, draft, items, s, seed)
+  summary = decode.acceptance_metrics(hist[None])
+  new_tokens = sum(len(o) for o in outs)
+  summary.update(prompts=len(outs), new_tokens=new_tokens, seconds=seconds,
+                 tokens_per_s=new_tokens / seconds)
+  if ar is not None:
+    ar_outs, ar_seconds = ar
+    ar_rate = sum(len(o) for o in ar_outs) / ar_seconds
+    summary.update(ar_seconds=ar_seconds, ar_tokens_per_s=ar_rate,
+                   speedup=summary["tokens_per_s"] / ar_rate,
+                   equal_to_ar=float(np.mean([a == b for a, b in zip(outs, ar_outs)])))
+  return summary, outs, per_batch
+
+
+def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
+  """Decodes every prompt speculatively (and with AR when `compare_ar`); returns the aggregate metrics."""
+  sharding.maybe_initialize_distributed(config.distributed)
+  s = config.speculate
+  target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
+  if target.tokenizer is None or target.tokenizer.chat_template is None:
+    raise ValueError(f"{config.model} has no tokenizer chat template; cannot build chat prompts.")
+  draft = load_draft(config, target)
+  items = prompts_for(config, target.tokenizer, prompt)
+  ar = None
+  if s.compare_ar:
+    ar_outs, _, ar_seconds, _ = decode_all(target, None, items, s, config.seed, speculative=False)
+    ar = (ar_outs, ar_seconds)
+  summary, outs, per_batch = evaluate(target, draft, items, s, config.seed, ar)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "spec_metrics.json"), "w") as f:
+    json.dump({"config": config.to_dict(), "spec": summary, "batches": per_batch}, f, indent=1,
+              default=str)
+  with open(os.path.join(workdir, "spec_generations.jsonl"), "w") as f:
+    for (rid, _), out in zip(items, outs):
+      f.write(json.dumps({"id": rid, "new_tokens": len(out),
+                          "text": target.tokenizer.decode(out)}) + "\n")
+  print(table(summary, s))
+  if prompt:
+    print(f"\n>>> {prompt}\n{target.tokenizer.decode(outs[0], skip_special_tokens=True)}")
+  return summary
+
+
+def table(m: dict[str, Any], s) -> str:
+  """A one-row markdown table of the aggregate metrics."""
+  name = s.method + (f" K={s.num_draft_tokens}" if s.method == "chain" else
+                     f" d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}")
+  acc = " ".join(f"{a:.2f}" for a in m["acceptance"])
+  head = "| method | T | prompts | τ | acceptance by depth | spec tok/s | AR tok/s | speedup | =AR |"
+  ar = (f"{m['ar_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['equal_to_ar']:.0%}"
+        if "speedup" in m else "- | - | -")
+  return "\n".join([head, "|" + "---|" * 9,
+                    f"| {name} | {s.temperature:g} | {m['prompts']} | {m['tau']:.2f} | {acc} | "
+                    f"{m['tokens_per_s']:.1f} | {ar} |"])
+
+
+def main(argv):
+  del argv
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required.")
+  run(_CONFIG.value, _WORKDIR.value, _PROMPT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
