@@ -41,7 +41,7 @@ def main(argv):
   if _TORCH.value:
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target.path, torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32)
     hf.eval()
     print(f"torch {torch.__version__} threads={torch.get_num_threads()}")
   print(f"machine: {platform.processor() or platform.machine()}, devices: {target.mesh.devices.size}")

@@ -69,7 +69,7 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(graphdef, params, tokens, positions, causal_mask(valid), cache,
                        jnp.zeros((b,), jnp.int32), compute_logits=False)
-  model_logits = _logits_fn(graphdef, params)
+  model_logits = logits_fn(graphdef, params)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
   first = sample(model_logits(last_h), key, params_)
@@ -98,7 +98,7 @@ def params_dtype(params):
   return jax.tree.leaves(params)[0].dtype
 
 
-def _logits_fn(graphdef, params):
+def logits_fn(graphdef, params):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   return nnx.merge(graphdef, params).logits
 

@@ -38,7 +38,7 @@ from flax import nnx
 from flax import struct
 
 from layerwave import sharding
-from layerwave.generate import (_logits_fn, cache_slots, check_lengths, cut_after_eos, is_eos,
+from layerwave.generate import (logits_fn, cache_slots, check_lengths, cut_after_eos, is_eos,
                                 params_dtype)
 from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
 from layerwave.models.draft import Draft, DraftConfig
@@ -244,7 +244,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
                        hidden_layers=layer_ids, compute_logits=False)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
-  first = sample(_logits_fn(target_graphdef, target_params)(last_h), key, params_)
+  first = sample(logits_fn(target_graphdef, target_params)(last_h), key, params_)
   shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # token t+1 at position t
   shifted = shifted.at[jnp.arange(b), lengths - 1].set(first)
   h, draft_cache = _draft_commit(draft, out.hidden_states, shifted, jnp.zeros((b,), jnp.int32),

@@ -37,7 +37,7 @@ def test_logits_match_pytorch_on_converted_weights(target):
   ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
                                 add_generation_prompt=True, tokenize=True, return_dict=False)
   ids = np.asarray([ids])
-  hf = transformers.AutoModelForCausalLM.from_pretrained(target.path, torch_dtype=torch.float32)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32)
   with torch.no_grad():
     ref = hf(torch.tensor(ids), output_hidden_states=True)
   out = target.forward(ids, return_hidden_states=True)

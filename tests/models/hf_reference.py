@@ -33,7 +33,7 @@ def make_hf_model(name: str, seed: int = 0):
   model_type, extra = FAMILIES[name]
   config = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   with torch.no_grad():  # HF initialises norms to 1; randomise them so the scales are tested too
     for n, p in model.named_parameters():
       if n.endswith("norm.weight") or n.endswith(".bias"):
@@ -52,7 +52,7 @@ def save_hf_model_with(directory: str, model_type: str = "llama", seed: int = 0,
   """Saves a random model of `model_type` with BASE settings overridden (e.g. a real vocab size)."""
   config = transformers.AutoConfig.for_model(model_type, **{**BASE, **overrides})
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
   os.makedirs(directory, exist_ok=True)
   model.save_pretrained(directory, safe_serialization=True)
   return model
