@@ -3,9 +3,12 @@
 Public API (the pipeline in order):
   load_target(spec, dtype)          the target LLM (HF directory, GGUF, short name, hub id)
   generate(target, prompt_ids, ...) autoregressive decoding, the speedup baseline
-  load_draft(path, target)          a trained EAGLE-3 draft (training workdir)
+  load_draft(path, target)          a trained EAGLE-3 draft (training workdir or EAGLE-3 HF directory)
+  export_eagle3(draft, target, dir) the draft as an EAGLE-3 Hugging Face directory (vLLM, SGLang)
+  load_eagle3(dir, target)          an EAGLE-3 Hugging Face directory (ours or a published draft)
 """
 
+from layerwave.export import export_eagle3, load_eagle3
 from layerwave.generate import generate
 from layerwave.inference import Target, load_target
 from layerwave.models.config import ModelConfig
@@ -14,6 +17,6 @@ from layerwave.sampling import SamplingParams
 from layerwave.training.loop import load_draft
 from layerwave import speculative  # layerwave.speculative.generate
 
-__all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "generate",
-           "load_draft",
+__all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "export_eagle3",
+           "generate", "load_draft", "load_eagle3",
            "load_target"]

@@ -22,6 +22,7 @@ from flax import nnx
 
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
+from layerwave import export as export_lib
 from layerwave import metrics as metrics_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
@@ -279,9 +280,10 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
   """Loads a trained draft for `target`.
 
   Args:
-    path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory.
+    path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory; or an
+      EAGLE-3 Hugging Face directory (`layerwave.export_eagle3`'s output or a published draft).
     target: the target the draft was trained for (its embedding is shared, its shape is checked).
-    step: a specific checkpoint step; default the latest.
+    step: a specific checkpoint step; default the latest (workdirs only).
 
   Returns:
     The `Draft` (NNX module), ready for `layerwave.speculative.generate`.
@@ -290,6 +292,11 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
     FileNotFoundError: no checkpoint under `path`.
     ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
   """
+  if export_lib.is_eagle3_dir(path):
+    if step is not None:
+      raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "
+                       "to training workdirs.")
+    return export_lib.load_eagle3(path, target)
   directory = os.path.join(path, "checkpoints") if os.path.isdir(
       os.path.join(path, "checkpoints")) else path
   if not os.path.isdir(directory):

@@ -1,0 +1,508 @@
+"""EAGLE-3 Hugging Face directories: export a trained draft for vLLM / SGLang, and read one back.
+
+Place in the pipeline: the last step after training. `export_eagle3` writes `config.json` +
+`model.safetensors` in the layout published EAGLE-3 drafts use (`LlamaForCausalLMEagle3`; tensors `fc`,
+`midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`); `load_eagle3` reads such a directory — ours, or an
+official one without our `layerwave` block — into a `Draft` for `target`. This is the only place where
+layer ids change convention (shared/METHOD.md §1).
+
+Layer-id conventions at this boundary, read from the engines' source:
+
+* vLLM (`vllm/model_executor/models/llama.py`, `LlamaModel.forward`) appends `hidden_states + residual`
+  *before* running decoder layer `idx` when `idx in aux_hidden_state_layers`, and
+  `gpu_model_runner._get_eagle3_aux_layers_from_config` passes the draft config's
+  `eagle_aux_hidden_state_layer_ids` (top level first, then `eagle_config.…`) through unchanged. So vLLM id
+  i = the input of block i = HF `hidden_states[i]`: our `hf_hidden_states` ids, unchanged.
+* SGLang (`python/sglang/srt/models/llama.py`) captures the same way (before layer i), but
+  `set_eagle3_layers_to_capture` adds 1 to explicit ids (`[val + 1 for val in layer_ids]`, read from
+  `eagle_config.eagle_aux_hidden_state_layer_ids` by `model_runner`), i.e. it reads them as "output of
+  block j" — SpecForge's convention (its default `[1, L//2-1, L-4]`, e.g. `[1, 15, 28]` for L = 32).
+  sglang PR #25454 (2026-05) adds 1 only when the first id is 1, to accept both kinds of file.
+* Both engines' default when a draft names no ids is `[2, L//2, L-3]` captured before those layers: HF ids.
+* vLLM and SGLang both build `fc` as `3 * target_hidden_size → hidden_size`: only k = 3 drafts load there.
+
+So the exported file carries HF ids (= vLLM's reading, and SGLang ≥ #25454's reading unless the first id is
+1), in both places vLLM looks (`eagle_aux_hidden_state_layer_ids` and `eagle_config.…`), plus a `layerwave`
+block with the `LayerSelection` record and the same ids in block-output numbering for SpecForge /
+TensorRT-LLM readers. `load_eagle3` reads ids as HF ids by default and as block outputs with
+`id_convention="block_outputs"` (a SpecForge-trained draft made for SGLang).
+
+Refused (clear errors, not silently approximated): multi-layer drafts (the engines disagree on the names of
+the extra layers: vLLM `layers.{i}`, SGLang `additional_layers.{i-1}`), `fc_norm` drafts (no engine applies
+per-chunk norms), and layer id L (the final-norm output, which no engine can feed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from layerwave import selection as selection_lib
+from layerwave import sharding
+from layerwave.inference import Target, parse_dtype
+from layerwave.models.config import ModelConfig
+from layerwave.models.draft import Draft, DraftConfig
+
+__all__ = ["ARCHITECTURE", "export_eagle3", "export_workdir", "is_eagle3_dir", "load_eagle3"]
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM's registry maps it to its Eagle3 Llama
+EAGLE3_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+_DISK_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names: NNX parameter path <-> published tensor name.
+
+
+def _tensor_name(path: tuple) -> tuple[str, bool]:
+  """Draft state path → (EAGLE-3 tensor name, whether the array is transposed: HF stores `[out, in]`)."""
+  parts = [str(p) for p in path]
+  if parts == ["embed_tokens"]:
+    return "embed_tokens.weight", False
+  if parts in (["d2t"], ["t2d"]):
+    return parts[0], False
+  *prefix, leaf = parts
+  return ".".join(prefix) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
+
+
+def _check_exportable(config: DraftConfig) -> None:
+  if config.model.num_layers != 1:
+    raise ValueError(
+        f"This draft has {config.model.num_layers} decoder layers; EAGLE-3 export supports one (the "
+        "midlayer): vLLM names extra layers layers.{i} and SGLang additional_layers.{i-1}, so no file "
+        "would load in both. Train with draft_model.num_layers=1 to export.")
+  if config.fc_norm:
+    raise ValueError("This draft normalises each selected layer before fc (draft_model.fc_norm=True); "
+                     "vLLM and SGLang apply no such norms, so it cannot be exported as EAGLE-3.")
+  if config.model.hidden_size != config.target_hidden_size:
+    raise ValueError(f"Draft width {config.model.hidden_size} differs from the target's "
+                     f"{config.target_hidden_size}; EAGLE-3 engines feed the target's embedding (width D) "
+                     "into the midlayer, so d must equal D.")
+  final = [i for i in config.layer_ids if i == config.target_num_layers]
+  if final:
+    raise ValueError(
+        f"Layer id {final[0]} (= L) is the target's final-norm output; vLLM and SGLang capture inputs of "
+        f"decoder blocks (ids 0..L-1), so no engine can feed this draft. Select ids in "
+        f"0..{config.target_num_layers - 1}.")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export.
+
+
+def draft_tensors(draft: Draft, include_embedding: bool = False) -> dict[str, np.ndarray]:
+  """The draft's tensors under published EAGLE-3 names: float32 `[out, in]`, `d2t` int64, `t2d` bool."""
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(draft)):
+    name, transposed = _tensor_name(path)
+    if name == "embed_tokens.weight" and not include_embedding:
+      continue
+    arr = np.asarray(jax.device_get(var.get_value()))
+    if name == "d2t":
+      arr = arr.astype(np.int64)  # published drafts store int64 (torch.long)
+    elif name != "t2d":
+      arr = arr.astype(np.float32)
+    out[name] = np.ascontiguousarray(arr.T if transposed else arr)
+  return out
+
+
+def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str = "float32") -> dict:
+  """config.json for an EAGLE-3 draft (fields as vLLM's / SGLang's `llama_eagle3.py` read them)."""
+  c, m = draft.config, draft.config.model
+  ids = [int(i) for i in c.layer_ids]
+  try:
+    block_ids = list(selection_lib.to_block_outputs(ids, c.target_num_layers))
+  except ValueError:
+    block_ids = None  # id 0 (embeddings) has no "output of block j" name
+  config = {
+      "architectures": [ARCHITECTURE],
+      "model_type": "llama",
+      "hidden_size": m.hidden_size,
+      "intermediate_size": m.intermediate_size,
+      "num_attention_heads": m.num_heads,
+      "num_key_value_heads": m.num_kv_heads,
+      "head_dim": m.head_dim,
+      "num_hidden_layers": 1,
+      "hidden_act": "silu",
+      "rms_norm_eps": m.rms_norm_eps,
+      "rope_theta": m.rope_theta,
+      "rope_scaling": m.rope_scaling_dict,
+      "max_position_embeddings": m.max_position_embeddings,
+      "attention_bias": False,
+      "mlp_bias": False,
+      "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as lm_head
+      "vocab_size": c.target_vocab_size,
+      "draft_vocab_size": c.draft_vocab_size,
+      "target_hidden_size": c.target_hidden_size,
+      "bos_token_id": m.bos_token_id,
+      "eos_token_id": (None if not m.eos_token_ids else m.eos_token_ids[0] if len(m.eos_token_ids) == 1
+                       else list(m.eos_token_ids)),
+      "torch_dtype": dtype,
+      # vLLM reads the top-level list first, then eagle_config's; SGLang reads eagle_config's only.
+      "eagle_aux_hidden_state_layer_ids": ids,
+      "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+      "layerwave": {
+          "format_version": FORMAT_VERSION,
+          "layer_ids": ids,
+          "layer_id_convention": selection_lib.CONVENTION,
+          "block_output_layer_ids": block_ids,
+          "target": {"num_layers": c.target_num_layers, "hidden_size": c.target_hidden_size,
+                     "vocab_size": c.target_vocab_size},
+          "selection": record.to_dict(),
+          "draft_config": c.to_dict(),
+      },
+  }
+  return config
+
+
+def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
+                  selection: selection_lib.LayerSelection | None = None, overwrite: bool = False,
+                  dtype: str = "float32", include_embedding: bool = False) -> str:
+  """Writes `draft` as an EAGLE-3 Hugging Face directory, atomically.
+
+  Args:
+    draft: a trained single-layer draft for `target`.
+    target: the target it reads (checked: L, D, V).
+    out_dir: the directory to create.
+    selection: the `LayerSelection` record behind the draft's ids (a `manual` record when None).
+    overwrite: replace an existing `out_dir`.
+    dtype: tensor dtype on disk: 'float32' (exact round trip), 'bfloat16' or 'float16'.
+    include_embedding: also write `embed_tokens.weight` (vLLM shares the target's when absent).
+
+  Returns:
+    `out_dir`.
+
+  Raises:
+    FileExistsError: `out_dir` exists and `overwrite` is False.
+    ValueError: a draft that EAGLE-3 engines cannot load, or one made for another target / selection.
+  """
+  if dtype not in _DISK_DTYPES:
+    raise ValueError(f"Unknown export dtype {dtype!r}; choose one of {sorted(_DISK_DTYPES)}.")
+  c = draft.config
+  c.check_target(target.config)
+  _check_exportable(c)
+  if selection is None:
+    selection = selection_lib.LayerSelection(ids=c.layer_ids, num_layers=c.target_num_layers,
+                                             hidden_size=c.target_hidden_size)
+  selection.validate_for(target.config.num_layers, target.config.hidden_size)
+  if tuple(selection.ids) != tuple(c.layer_ids):
+    raise ValueError(f"The selection record's ids {list(selection.ids)} differ from the draft's "
+                     f"{list(c.layer_ids)}.")
+  if len(c.layer_ids) != 3:
+    logging.warning("Exporting a draft that reads %d layers: vLLM and SGLang build fc for exactly 3 "
+                    "(3 * target_hidden_size inputs), so only layerwave will load it.", len(c.layer_ids))
+  if c.layer_ids[0] == 1:
+    logging.warning("The first layer id is 1: SGLang (>= PR #25454) reads a list starting at 1 as "
+                    "block outputs and shifts it by one; serve this draft with vLLM or pass SGLang ids "
+                    "%s.", [i + 1 for i in c.layer_ids])
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  if os.path.lexists(out_dir) and not overwrite:
+    raise FileExistsError(f"{out_dir} already exists; choose a new directory or pass overwrite=True "
+                          "(--overwrite).")
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  tensors = draft_tensors(draft, include_embedding)
+  on_disk = _DISK_DTYPES[dtype]
+  tensors = {k: (v.astype(on_disk) if v.dtype == np.float32 else v) for k, v in tensors.items()}
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-eagle3-", dir=parent)
+  try:
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(eagle3_config(draft, selection, dtype), f, indent=2)
+    save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+    # mkdtemp makes a private (0700) directory: open it up like any model directory for servers.
+    os.chmod(tmp, 0o755)
+    for name in os.listdir(tmp):
+      os.chmod(os.path.join(tmp, name), 0o644)
+    if os.path.lexists(out_dir):  # overwrite: the new directory is complete before the old one goes
+      if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+        shutil.rmtree(out_dir)
+      else:
+        os.remove(out_dir)
+    os.replace(tmp, out_dir)
+  finally:
+    if os.path.exists(tmp):
+      shutil.rmtree(tmp, ignore_errors=True)
+  return out_dir
+
+
+def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step: int | None = None,
+                   overwrite: bool = False, dtype: str = "float32",
+                   include_embedding: bool = False) -> str:
+  """Exports the draft of a training workdir, loading the target it recorded (or `model`).
+
+  Returns:
+    `out_dir`.
+  """
+  # Imported here: training.loop imports this module (load_draft reads EAGLE-3 directories).
+  from layerwave import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from layerwave.inference import load_target  # pylint: disable=g-import-not-at-top
+  from layerwave.training import loop  # pylint: disable=g-import-not-at-top
+  directory = os.path.join(workdir, "checkpoints") if os.path.isdir(
+      os.path.join(workdir, "checkpoints")) else workdir
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No draft at {workdir}: expected a training workdir with checkpoints/.")
+  ckpt = ckpt_lib.Checkpointer(directory)
+  try:
+    meta = ckpt.read_meta(step)
+  finally:
+    ckpt.close()
+  spec = model or (meta.get("config") or {}).get("model")
+  if not spec:
+    raise ValueError(f"{workdir} does not record its target model; pass --model.")
+  target = load_target(spec, dtype=(meta.get("config") or {}).get("dtype", "float32"))
+  draft = loop.load_draft(workdir, target, step)
+  record = selection_lib.LayerSelection.from_dict(meta["selection"])
+  return export_eagle3(draft, target, out_dir, selection=record, overwrite=overwrite, dtype=dtype,
+                       include_embedding=include_embedding)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Import.
+
+
+def read_config(directory: str) -> dict | None:
+  """config.json of `directory` if it names an EAGLE-3 architecture, else None."""
+  path = os.path.join(os.fspath(directory), "config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    try:
+      config = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not valid JSON: {e}") from e
+  archs = config.get("architectures") or []
+  return config if any(a in EAGLE3_ARCHITECTURES for a in archs) else None
+
+
+def is_eagle3_dir(directory: str) -> bool:
+  """True if `directory` holds a config.json with an EAGLE-3 architecture."""
+  return read_config(directory) is not None
+
+
+def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None) -> tuple[int, ...]:
+  """The draft's layer ids in hf_hidden_states numbering, checked against every place that names them."""
+  block = config.get("layerwave")
+  nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+  top = config.get("eagle_aux_hidden_state_layer_ids")
+  if top and nested and list(top) != list(nested):
+    raise ValueError(f"config.json names two different layer-id lists: eagle_aux_hidden_state_layer_ids "
+                     f"{list(top)} and eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)}.")
+  written = list(top or nested or [])
+  if block is not None:
+    if block.get("layer_id_convention") != selection_lib.CONVENTION:
+      raise ValueError(f"The layerwave block states layer-id convention "
+                       f"{block.get('layer_id_convention')!r}; only {selection_lib.CONVENTION!r} is written.")
+    if id_convention not in (None, selection_lib.CONVENTION):
+      raise ValueError(f"This directory was exported by layerwave with {selection_lib.CONVENTION} ids; "
+                       f"id_convention={id_convention!r} contradicts it.")
+    ids = tuple(int(i) for i in block["layer_ids"])
+    if written and tuple(written) != ids:
+      hint = ""
+      if tuple(written) == tuple(i - 1 for i in ids):
+        hint = " (they are its block-output ids: someone converted them for SpecForge / old SGLang)"
+      raise ValueError(f"eagle_aux_hidden_state_layer_ids {written} disagree with the layerwave block's "
+                       f"{selection_lib.CONVENTION} ids {list(ids)}{hint}.")
+    want_block = block.get("block_output_layer_ids")
+    if want_block is not None and tuple(want_block) != tuple(i - 1 for i in ids):
+      raise ValueError(f"The layerwave block's block_output_layer_ids {list(want_block)} are not its "
+                       f"hf ids {list(ids)} minus one: the record mixes conventions.")
+    return ids
+  if not written:  # both engines then capture EAGLE-3's default, before blocks (2, L//2, L-3)
+    return selection_lib.eagle3_layer_ids(num_layers)
+  convention = id_convention or selection_lib.CONVENTION
+  if convention == selection_lib.CONVENTION:
+    return tuple(selection_lib._as_int(i) for i in written)  # pylint: disable=protected-access
+  if convention == "block_outputs":
+    return selection_lib.from_block_outputs(written, num_layers)
+  raise ValueError(f"Unknown id_convention {id_convention!r}: use {selection_lib.CONVENTION!r} (vLLM) "
+                   "or 'block_outputs' (SpecForge / SGLang's explicit ids).")
+
+
+def _require(config: dict, keys, where: str) -> None:
+  missing = [k for k in keys if config.get(k) is None]
+  if missing:
+    raise ValueError(f"{where} lacks required fields {missing}.")
+
+
+def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]) -> DraftConfig:
+  """DraftConfig from an EAGLE-3 config.json, shaped as `DraftConfig.from_target` would make it."""
+  where = "EAGLE-3 config.json"
+  _require(config, ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                    "vocab_size"), where)
+  if int(config["num_hidden_layers"]) != 1:
+    raise ValueError(f"{where} has num_hidden_layers={config['num_hidden_layers']}; layerwave reads "
+                     "single-layer EAGLE-3 drafts only.")
+  for flag in ("attention_bias", "mlp_bias", "norm_before_fc", "norm_before_residual"):
+    if config.get(flag):
+      raise ValueError(f"{where} sets {flag}=true, which layerwave's EAGLE-3 draft does not implement.")
+  if config.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{where} uses hidden_act={config['hidden_act']!r}; only 'silu' is supported.")
+  if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+    raise ValueError(f"{where} sets use_aux_hidden_state=false (an EAGLE-1/2-style draft without fc).")
+  t = target_config
+  got = {"vocab_size": int(config["vocab_size"]),
+         "target_hidden_size": int(config.get("target_hidden_size") or config["hidden_size"])}
+  want = {"vocab_size": t.vocab_size, "target_hidden_size": t.hidden_size}
+  bad = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+  if bad:
+    raise ValueError("This EAGLE-3 draft was made for another target: " + ", ".join(
+        f"{k}={g} (target has {w})" for k, (g, w) in bad.items()) + ".")
+  lw_target = (config.get("layerwave") or {}).get("target")
+  if lw_target and lw_target.get("num_layers") != t.num_layers:
+    raise ValueError(f"This draft was exported for a target with L={lw_target.get('num_layers')}; the "
+                     f"given target has L={t.num_layers}.")
+  m = ModelConfig.from_hf({**config, "model_type": "llama"})  # rope settings in either spelling
+  if m.hidden_size != t.hidden_size:
+    raise ValueError(f"Draft width {m.hidden_size} differs from the target's {t.hidden_size}; layerwave's "
+                     "draft reads the target's embedding, so d must equal D.")
+  v_d = int(config.get("draft_vocab_size") or config["vocab_size"])
+  if not 1 <= v_d <= t.vocab_size:
+    raise ValueError(f"draft_vocab_size {v_d} must be in [1, {t.vocab_size}].")
+  model = dataclasses.replace(
+      t, vocab_size=v_d, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=1,
+      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
+      max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=False,
+      attention_bias=False, qk_norm=False)
+  # LayerSelection validates range, order and uniqueness with the convention named in its errors.
+  selection_lib.LayerSelection(ids=ids, num_layers=t.num_layers, hidden_size=t.hidden_size)
+  if tuple(sorted(set(ids))) != tuple(ids):
+    raise ValueError(f"Layer ids {list(ids)} must be sorted and unique: fc's input chunks follow their "
+                     "order.")
+  return DraftConfig(layer_ids=tuple(ids), target_num_layers=t.num_layers,
+                     target_hidden_size=t.hidden_size, target_vocab_size=t.vocab_size, model=model)
+
+
+def _read_tensors(directory: str) -> dict[str, np.ndarray]:
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  path = os.path.join(directory, WEIGHTS)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"No {WEIGHTS} in {directory} (pickled pytorch_model.bin drafts are not "
+                            "read; re-save with safetensors).")
+  out = {}
+  with safe_open(path, framework="numpy") as f:  # numpy keeps int64 d2t; bfloat16 via ml_dtypes
+    for key in f.keys():
+      out[key] = f.get_tensor(key)
+  return out
+
+
+def _vocab_tables(tensors, v_d: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+  """(d2t int32 [V_d], t2d bool [V]) checked against each other; identity when V_d == V and absent."""
+  d2t = tensors.get("d2t")
+  if d2t is None:
+    d2t = np.zeros((v_d,), np.int64)
+  ids = np.arange(v_d) + np.asarray(d2t, np.int64)
+  if ids.min() < 0 or ids.max() >= v or np.any(np.diff(ids) <= 0):
+    raise ValueError("d2t does not map the draft vocabulary to sorted, distinct target ids in "
+                     f"[0, {v}) (target_id = draft_id + d2t[draft_id]).")
+  derived = np.zeros((v,), bool)
+  derived[ids] = True
+  t2d = tensors.get("t2d")
+  if t2d is not None and not np.array_equal(np.asarray(t2d, bool), derived):
+    raise ValueError(f"t2d marks {int(np.asarray(t2d, bool).sum())} target tokens, which are not the "
+                     f"{v_d} that d2t maps to.")
+  return (ids - np.arange(v_d)).astype(np.int32), derived
+
+
+def load_eagle3(directory: str, target: Target, *, id_convention: str | None = None,
+                dtype: Any = "float32") -> Draft:
+  """Reads an EAGLE-3 Hugging Face directory into a `Draft` for `target`.
+
+  Args:
+    directory: holds `config.json` (`LlamaForCausalLMEagle3`) and `model.safetensors`.
+    target: the target the draft reads; its embedding becomes the draft's (frozen).
+    id_convention: how to read `eagle_aux_hidden_state_layer_ids` of a file without a `layerwave`
+      block: 'hf_hidden_states' (default; vLLM's reading) or 'block_outputs' (SpecForge / SGLang's
+      explicit ids, converted + 1). Files exported by layerwave state theirs.
+    dtype: parameter dtype of the returned draft.
+
+  Returns:
+    The `Draft`, parameters replicated over `target.mesh`.
+
+  Raises:
+    FileNotFoundError: no EAGLE-3 config.json / weights in `directory`.
+    ValueError: naming missing, unexpected or misshapen tensors, bad or inconsistent layer ids, or a
+      draft made for another target.
+  """
+  directory = os.fspath(directory)
+  if not os.path.isfile(os.path.join(directory, "config.json")):
+    raise FileNotFoundError(f"No config.json in {directory}.")
+  config = read_config(directory)
+  if config is None:
+    raise ValueError(f"{directory}/config.json does not name an EAGLE-3 architecture "
+                     f"({list(EAGLE3_ARCHITECTURES)}).")
+  t = target.config
+  ids = _resolve_layer_ids(config, t.num_layers, id_convention)
+  dcfg = _draft_config(config, t, ids)
+  dcfg.check_target(t)
+  block = config.get("layerwave")
+  if block is not None:
+    selection_lib.LayerSelection.from_dict(block["selection"]).validate_for(t.num_layers, t.hidden_size)
+    if tuple(block["selection"]["ids"]) != ids:
+      raise ValueError(f"The layerwave selection record's ids {block['selection']['ids']} differ from "
+                       f"the draft's {list(ids)}.")
+  tensors = _read_tensors(directory)
+  dtype = parse_dtype(dtype)
+  abstract = nnx.eval_shape(lambda: Draft(dcfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  flat = nnx.to_flat_state(state)
+  expected = {}
+  for path, var in flat:
+    name, transposed = _tensor_name(path)
+    expected[name] = tuple(var.shape[::-1] if transposed else var.shape)
+  optional = {"embed_tokens.weight", "t2d"} | ({"d2t"} if dcfg.draft_vocab_size == t.vocab_size else set())
+  fc = tensors.get("fc.weight")
+  if fc is not None and fc.ndim == 2 and fc.shape[1] != expected["fc.weight"][1]:
+    k_file, rem = divmod(fc.shape[1], t.hidden_size)
+    raise ValueError(f"The layer-id list has {len(ids)} ids ({list(ids)}), so fc should read "
+                     f"{len(ids)}*{t.hidden_size} = {expected['fc.weight'][1]} inputs, but fc.weight is "
+                     f"{tuple(fc.shape)} ({k_file if rem == 0 else fc.shape[1] / t.hidden_size:g} target "
+                     "layers): the id list has the wrong length.")
+  missing = sorted(n for n in expected if n not in tensors and n not in optional)
+  extra = sorted(n for n in tensors if n not in expected)
+  problems = []
+  if missing:
+    problems.append(f"missing tensors: {missing}")
+  if extra:
+    problems.append(f"unexpected tensors: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+  for name, shape in expected.items():
+    if name in tensors and tuple(tensors[name].shape) != shape:
+      problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+  if problems:
+    raise ValueError(f"{directory} does not match its config.json: " + "; ".join(problems))
+  d2t, t2d = _vocab_tables(tensors, dcfg.draft_vocab_size, t.vocab_size)
+  embedding = target.params["embed_tokens"]["embedding"][...]
+  if "embed_tokens.weight" in tensors and not np.allclose(
+      np.asarray(tensors["embed_tokens.weight"], np.float32), np.asarray(embedding, np.float32),
+      atol=1e-2):
+    logging.warning("%s carries embed_tokens.weight that differs from the target's embedding; the "
+                    "draft uses the target's (as SGLang does).", directory)
+  rep = sharding.replicated(target.mesh)
+  values = []
+  for path, var in flat:
+    name, transposed = _tensor_name(path)
+    if name == "d2t":
+      arr = jnp.asarray(d2t)
+    elif name == "t2d":
+      arr = jnp.asarray(t2d)
+    elif name == "embed_tokens.weight":
+      arr = jnp.asarray(embedding, dtype)
+    else:
+      host = np.asarray(tensors[name]).astype(np.float32)
+      arr = jnp.asarray(host.T if transposed else host, dtype)
+    values.append((path, var.replace(jax.device_put(arr, rep))))
+  return nnx.merge(graphdef, nnx.from_flat_state(values))

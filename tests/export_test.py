@@ -1,0 +1,319 @@
+"""EAGLE-3 export / import: exact round trip, published names, official directories, bad inputs.
+
+Where the pinned names and fields come from (read in the public sources, not copied):
+* vLLM `vllm/model_executor/models/llama_eagle3.py`: `LlamaModel.load_weights` renames `midlayer.` →
+  `layers.0.` and stacks `q/k/v_proj`, `gate/up_proj`; `Eagle3LlamaForCausalLM.load_weights` skips `t2d`,
+  loads `d2t` as `draft_id_to_target_id` (int64), prefixes the rest with `model.` except `lm_head`, and
+  loads `embed_tokens` only if present. Config: `draft_vocab_size`, `target_hidden_size` (fc is
+  `3 * target_hidden_size → hidden_size`), `eagle_config.use_aux_hidden_state`.
+* vLLM `vllm/v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`: ids from
+  `eagle_aux_hidden_state_layer_ids`, else `eagle_config["eagle_aux_hidden_state_layer_ids"]`, passed
+  unchanged to `set_aux_hidden_state_layers`; `llama.py` captures before layer idx → HF hidden_states[idx].
+* SGLang `python/sglang/srt/models/llama_eagle3.py`: `LlamaForCausalLMEagle3` with `model.fc`,
+  `model.midlayer` (`input_layernorm`, `hidden_norm`, `self_attn.{q,k,v,o}_proj`,
+  `post_attention_layernorm`, `mlp.{gate,up,down}_proj`), `model.norm`, `lm_head`; `d2t` becomes
+  `hot_token_id = d2t + arange`; `t2d` is skipped. SGLang `llama.py` `set_eagle3_layers_to_capture` adds 1
+  to explicit ids (block-output convention; sglang PR #25454 only when the first id is 1).
+* EAGLE `eagle/model/cnets.py` (the EAGLE-3 reference): `fc`, `midlayer`, `norm`, `lm_head`, buffers
+  `d2t` (long) and `t2d` (bool), `target_id = draft_id + d2t[draft_id]`, embeds concatenated first.
+* Published config.json (SpecForge `configs/qwen3-4b-eagle3.json`, the layout of
+  yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): `architectures: ["LlamaForCausalLMEagle3"]`, `model_type: llama`,
+  `num_hidden_layers: 1`, `vocab_size` = target V, `draft_vocab_size`, no layer ids (engines default to
+  [2, L//2, L-3]); SpecForge-era drafts add `eagle_config: {"eagle_aux_hidden_state_layer_ids": [...],
+  "use_aux_hidden_state": true}` in block-output numbering (SpecForge's default [1, L//2-1, L-4]).
+"""
+
+import json
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import layerwave
+from layerwave import export
+from layerwave import selection
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.models.target import KVCache
+from tests.models import hf_reference
+
+L, D, V, V_D = 8, 32, 97, 50
+IDS = (2, 3, 6)  # not EAGLE-3's (2, 4, 5): the explicit-ids path is what is tested
+
+# Published tensor names with HF `[out, in]` shapes for D = d = 32, H = 4, K = 2, head 8, MLP 48.
+PUBLISHED_SHAPES = {
+    "fc.weight": (D, 3 * D),
+    "midlayer.input_layernorm.weight": (D,),
+    "midlayer.hidden_norm.weight": (D,),
+    "midlayer.self_attn.q_proj.weight": (32, 2 * D),
+    "midlayer.self_attn.k_proj.weight": (16, 2 * D),
+    "midlayer.self_attn.v_proj.weight": (16, 2 * D),
+    "midlayer.self_attn.o_proj.weight": (D, 32),
+    "midlayer.post_attention_layernorm.weight": (D,),
+    "midlayer.mlp.gate_proj.weight": (48, D),
+    "midlayer.mlp.up_proj.weight": (48, D),
+    "midlayer.mlp.down_proj.weight": (D, 48),
+    "norm.weight": (D,),
+    "lm_head.weight": (V_D, D),
+    "d2t": (V_D,),
+    "t2d": (V,),
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp("llama8"))
+  hf_reference.save_hf_model_with(directory, num_hidden_layers=L, tie_word_embeddings=False)
+  return layerwave.load_target(directory)
+
+
+def _vocab_ids(seed=0):
+  return np.sort(np.random.default_rng(seed).choice(V, V_D, replace=False))
+
+
+def _draft(target, ids=IDS, **kw):
+  cfg = DraftConfig.from_target(target.config, ids, draft_vocab_size=V_D, **kw)
+  draft = Draft(cfg, embedding=target.params["embed_tokens"]["embedding"][...], rngs=nnx.Rngs(0))
+  vocab = _vocab_ids()
+  draft.d2t[...] = jnp.asarray(vocab - np.arange(V_D), jnp.int32)
+  draft.t2d[...] = jnp.zeros(V, bool).at[vocab].set(True)
+  for norm in (draft.midlayer.input_layernorm, draft.midlayer.hidden_norm, draft.norm,
+               draft.midlayer.post_attention_layernorm):  # non-trivial scales
+    norm.scale[...] = 1 + 0.1 * jnp.arange(D, dtype=jnp.float32) / D
+  return draft
+
+
+def _logits(draft, target, tokens):
+  feats = target.forward(tokens, return_hidden_states=True).hidden_states
+  g = draft.fuse(feats[jnp.asarray(draft.config.layer_ids)])
+  b, t = tokens.shape
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  next_tokens = jnp.asarray(np.roll(tokens, -1, axis=1))  # x_{t+1} (wrapping is fine for a comparison)
+  _, logits, _ = draft(g, next_tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), mask,
+                       KVCache.zeros(draft.config.model, b, t), jnp.zeros(b, jnp.int32))
+  return np.asarray(logits)
+
+
+def _state(draft):
+  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(draft))}
+
+
+def test_round_trip_is_exact_and_logits_identical(target, tmp_path):
+  draft = _draft(target)
+  record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D, strategy="greedy", lam=0.5)
+  out = export.export_eagle3(draft, target, str(tmp_path / "eagle3"), selection=record)
+  back = layerwave.load_draft(out, target)  # the hook: a config.json with an EAGLE-3 architecture
+  assert back.config == draft.config
+  a, b = _state(draft), _state(back)
+  assert a.keys() == b.keys()
+  for path in a:
+    assert a[path].dtype == b[path].dtype, path
+    np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+  tokens = np.random.default_rng(1).integers(0, V, (2, 7))
+  np.testing.assert_array_equal(_logits(draft, target, tokens), _logits(back, target, tokens))
+  with open(os.path.join(out, "config.json")) as f:
+    lw = json.load(f)["layerwave"]
+  assert selection.LayerSelection.from_dict(lw["selection"]) == record
+  assert lw["block_output_layer_ids"] == [1, 2, 5]  # SpecForge / TensorRT-LLM numbering
+  assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]  # nothing half-written left
+
+
+def test_published_key_names_and_config_fields(target, tmp_path):
+  out = export.export_eagle3(_draft(target), target, str(tmp_path / "e"))
+  tensors = load_file(os.path.join(out, "model.safetensors"))
+  assert {k: v.shape for k, v in tensors.items()} == PUBLISHED_SHAPES  # no embed_tokens by default
+  assert tensors["d2t"].dtype == np.int64 and tensors["t2d"].dtype == np.bool_
+  np.testing.assert_array_equal(np.arange(V_D) + tensors["d2t"], _vocab_ids())
+  with open(os.path.join(out, "config.json")) as f:
+    cfg = json.load(f)
+  assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang class; vLLM registry entry
+  assert cfg["model_type"] == "llama"
+  assert cfg["num_hidden_layers"] == 1  # vLLM builds layers.0 from midlayer; SGLang one midlayer
+  assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (V, V_D, D)
+  assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+          cfg["num_key_value_heads"], cfg["head_dim"]) == (D, 48, 4, 2, 8)
+  assert cfg["tie_word_embeddings"] is False  # SGLang ties lm_head to the embedding otherwise
+  for key in ("rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings"):
+    assert key in cfg
+  # HF hidden-state ids = vLLM's reading (captured before block i), at both places vLLM looks.
+  assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": list(IDS),
+                                 "use_aux_hidden_state": True}
+  assert cfg["eagle_aux_hidden_state_layer_ids"] == list(IDS)
+  with_embed = export.export_eagle3(_draft(target), target, str(tmp_path / "emb"),
+                                    include_embedding=True)
+  assert load_file(os.path.join(with_embed, "model.safetensors"))["embed_tokens.weight"].shape == (V, D)
+  layerwave.load_eagle3(with_embed, target)
+
+
+def _rms(x, w, eps):
+  return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+
+def _official_dir(path, eagle_config=None, drop=(), dtype=ml_dtypes.bfloat16):
+  """An EAGLE-3 directory written as published drafts write it (bf16 tensors, int64 d2t, no layerwave)."""
+  rng = np.random.default_rng(3)
+  tensors = {k: (rng.normal(size=s) * (0.3 if len(s) == 2 else 0.1) + (len(s) == 1)).astype(dtype)
+             for k, s in PUBLISHED_SHAPES.items() if k not in ("d2t", "t2d")}
+  vocab = _vocab_ids(5)
+  tensors["d2t"] = (vocab - np.arange(V_D)).astype(np.int64)
+  tensors["t2d"] = np.isin(np.arange(V), vocab)
+  for k in drop:
+    del tensors[k]
+  config = {"architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False,
+            "bos_token_id": 1, "eos_token_id": 2, "head_dim": 8, "hidden_act": "silu",
+            "hidden_size": D, "initializer_range": 0.02, "intermediate_size": 48,
+            "max_position_embeddings": 256, "model_type": "llama", "num_attention_heads": 4,
+            "num_hidden_layers": 1, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": V, "draft_vocab_size": V_D}
+  if eagle_config is not None:
+    config["eagle_config"] = eagle_config
+  os.makedirs(path)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  return {k: np.asarray(v, np.float32) if v.dtype == dtype else v for k, v in tensors.items()}
+
+
+def test_official_directory_loads_and_runs(target, tmp_path):
+  w = _official_dir(str(tmp_path / "official"))
+  draft = layerwave.load_draft(str(tmp_path / "official"), target)
+  assert draft.config.layer_ids == selection.eagle3_layer_ids(L) == (2, 4, 5)  # no ids: engines' default
+  np.testing.assert_array_equal(draft.draft_token_ids(), _vocab_ids(5))
+  # One position: attention over a single key returns its value, so the EAGLE-3 midlayer reduces to
+  # plain numpy on the published tensors — embeds first, hidden_norm on g, residual on the un-normed g.
+  token = 11
+  feats = np.asarray(target.forward(np.array([[token]]), return_hidden_states=True).hidden_states)
+  h_in = np.concatenate([feats[i, 0, 0] for i in (2, 4, 5)])
+  emb = np.asarray(target.params["embed_tokens"]["embedding"][...])[token]
+  g = w["fc.weight"] @ h_in
+  u = np.concatenate([_rms(emb, w["midlayer.input_layernorm.weight"], 1e-5),
+                      _rms(g, w["midlayer.hidden_norm.weight"], 1e-5)])
+  v = (w["midlayer.self_attn.v_proj.weight"] @ u).reshape(2, 8)
+  attn = np.repeat(v, 2, axis=0).reshape(-1)  # 4 query heads share 2 kv heads
+  a = g + w["midlayer.self_attn.o_proj.weight"] @ attn
+  x = _rms(a, w["midlayer.post_attention_layernorm.weight"], 1e-5)
+  gate = w["midlayer.mlp.gate_proj.weight"] @ x
+  h = a + w["midlayer.mlp.down_proj.weight"] @ (gate / (1 + np.exp(-gate))
+                                                * (w["midlayer.mlp.up_proj.weight"] @ x))
+  want = w["lm_head.weight"] @ _rms(h, w["norm.weight"], 1e-5)
+  got_h, got, _ = draft(jnp.asarray(g)[None, None], jnp.array([[token]]), jnp.zeros((1, 1), jnp.int32),
+                        jnp.ones((1, 1, 1), bool), KVCache.zeros(draft.config.model, 1, 4),
+                        jnp.zeros(1, jnp.int32))
+  np.testing.assert_allclose(np.asarray(got_h)[0, 0], h, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got)[0, 0], want, rtol=1e-4, atol=1e-4)
+  tokens = np.random.default_rng(2).integers(0, V, (1, 5))
+  assert np.isfinite(_logits(draft, target, tokens)).all()
+
+
+def test_official_block_output_ids_need_the_convention(target, tmp_path):
+  # A SpecForge-style draft for SGLang: eagle_config ids count block outputs (hf id - 1).
+  _official_dir(str(tmp_path / "sf"), {"eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+                                       "use_aux_hidden_state": True})
+  assert layerwave.load_eagle3(str(tmp_path / "sf"), target).config.layer_ids == (1, 3, 5)  # vLLM
+  assert layerwave.load_eagle3(str(tmp_path / "sf"), target,
+                               id_convention="block_outputs").config.layer_ids == (2, 4, 6)
+  with pytest.raises(ValueError, match="Unknown id_convention"):
+    layerwave.load_eagle3(str(tmp_path / "sf"), target, id_convention="sglang")
+
+
+def test_export_refuses_an_existing_directory_unless_overwrite(target, tmp_path):
+  out = tmp_path / "e"
+  out.mkdir()
+  (out / "keep.txt").write_text("x")
+  with pytest.raises(FileExistsError, match="overwrite=True"):
+    export.export_eagle3(_draft(target), target, str(out))
+  assert os.listdir(out) == ["keep.txt"]
+  export.export_eagle3(_draft(target), target, str(out), overwrite=True)
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+
+
+def test_export_refuses_what_engines_cannot_load(target, tmp_path):
+  with pytest.raises(ValueError, match="decoder layers"):
+    export.export_eagle3(_draft(target, num_layers=2), target, str(tmp_path / "a"))
+  with pytest.raises(ValueError, match="fc_norm"):
+    export.export_eagle3(_draft(target, fc_norm=True), target, str(tmp_path / "b"))
+  with pytest.raises(ValueError, match="final-norm output"):
+    export.export_eagle3(_draft(target, ids=(2, 4, L)), target, str(tmp_path / "c"))
+  record = selection.LayerSelection(ids=(2, 4, 5), num_layers=L, hidden_size=D)
+  with pytest.raises(ValueError, match="differ from the draft's"):
+    export.export_eagle3(_draft(target), target, str(tmp_path / "d"), selection=record)
+  assert not os.listdir(tmp_path)
+
+
+def test_import_missing_tensor(target, tmp_path):
+  _official_dir(str(tmp_path / "o"), drop=("midlayer.mlp.up_proj.weight",))
+  with pytest.raises(ValueError, match=r"missing tensors: \['midlayer.mlp.up_proj.weight'\]"):
+    layerwave.load_eagle3(str(tmp_path / "o"), target)
+
+
+def _edit_config(directory, fn):
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    cfg = json.load(f)
+  fn(cfg)
+  with open(path, "w") as f:
+    json.dump(cfg, f)
+
+
+def test_import_layer_ids_of_wrong_length_or_convention(target, tmp_path):
+  _official_dir(str(tmp_path / "o"), {"eagle_aux_hidden_state_layer_ids": [2, 4]})
+  with pytest.raises(ValueError, match="wrong length"):
+    layerwave.load_eagle3(str(tmp_path / "o"), target)
+  _edit_config(str(tmp_path / "o"), lambda c: c["eagle_config"].update(
+      eagle_aux_hidden_state_layer_ids=[2, 4, 9]))
+  with pytest.raises(ValueError, match=r"out of range for L=8"):
+    layerwave.load_eagle3(str(tmp_path / "o"), target)
+  # Our export whose ids were rewritten in block-output numbering (what SpecForge / old SGLang read).
+  out = export.export_eagle3(_draft(target), target, str(tmp_path / "e"))
+  _edit_config(out, lambda c: (c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 5]),
+                               c.pop("eagle_aux_hidden_state_layer_ids")))
+  with pytest.raises(ValueError, match="block-output ids"):
+    layerwave.load_eagle3(out, target)
+  out = export.export_eagle3(_draft(target), target, str(tmp_path / "f"))
+  _edit_config(out, lambda c: c["layerwave"].update(block_output_layer_ids=[2, 3, 6]))
+  with pytest.raises(ValueError, match="mixes conventions"):
+    layerwave.load_eagle3(out, target)
+  with pytest.raises(ValueError, match="contradicts"):
+    layerwave.load_eagle3(out, target, id_convention="block_outputs")
+
+
+def test_import_draft_for_another_target(target, tmp_path):
+  out = export.export_eagle3(_draft(target), target, str(tmp_path / "e"))
+  hf_reference.save_hf_model_with(str(tmp_path / "l6"), num_hidden_layers=6)
+  with pytest.raises(ValueError, match="L=8; the given target has L=6"):
+    layerwave.load_draft(out, layerwave.load_target(str(tmp_path / "l6")))
+  hf_reference.save_hf_model_with(str(tmp_path / "v"), num_hidden_layers=L, vocab_size=120)
+  with pytest.raises(ValueError, match=r"another target: vocab_size=97 \(target has 120\)"):
+    layerwave.load_draft(out, layerwave.load_target(str(tmp_path / "v")))
+
+
+def test_bfloat16_export_loads_close(target, tmp_path):
+  draft = _draft(target)
+  out = export.export_eagle3(draft, target, str(tmp_path / "bf"), dtype="bfloat16")
+  back = layerwave.load_eagle3(out, target)
+  np.testing.assert_allclose(back.fc.kernel[...], draft.fc.kernel[...], rtol=1e-2, atol=1e-2)
+  np.testing.assert_array_equal(back.d2t[...], draft.d2t[...])
+
+
+def test_export_workdir_reads_the_recorded_target(target, tmp_path):
+  """The launcher's path: a training workdir's checkpoint (written as `training.loop.run` writes it)."""
+  from layerwave import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from layerwave.training import step as step_lib  # pylint: disable=g-import-not-at-top
+  draft = _draft(target)
+  record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D)
+  _, params, vocab, _ = step_lib.split_draft(draft)
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "w" / "checkpoints"))
+  ckpt.save(1, step_lib.init_state(params, step_lib.make_optimizer(1e-4, 1, 2)), vocab,
+            {"draft_config": draft.config.to_dict(), "selection": record.to_dict(),
+             "config": {"model": target.path, "dtype": "float32"}})
+  ckpt.close()
+  out = export.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
+  back = layerwave.load_draft(out, target)
+  for path, value in _state(draft).items():
+    np.testing.assert_array_equal(value, _state(back)[path], err_msg=str(path))
+  with pytest.raises(FileExistsError):
+    export.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
