@@ -1,13 +1,15 @@
 """Layer statistics: token filter → matrix entropy (informativeness) and CKA (diversity) → compartments.
 
-Place in the pipeline: target hidden states [L+1, B, T, D] and logits → `stats` (streaming, one jitted update
-per batch) → `LayerStats` → `layerwave.selection`. The modules hold small, pure, mask-aware jnp functions;
-this package re-exports the public names.
+Place in the pipeline: target hidden states [L+1, B, T, D] and logits → `stats` (streaming, one jitted
+update per batch, driven by `collect.collect_stats` over a stream of batches) → `LayerStats` →
+`layerwave.selection`; `report` and `analyze` (the analysis stage's `run`) write the results. The modules
+hold small, pure, mask-aware jnp functions; this package re-exports the public names.
 
 The Gram-entropy functions live in `entropy.py`; `layerwave.analysis.matrix_entropy` is the function.
 """
 
 from layerwave.analysis import cka
+from layerwave.analysis import collect
 from layerwave.analysis import compartments
 from layerwave.analysis import entropy
 from layerwave.analysis import stats
@@ -16,6 +18,9 @@ from layerwave.analysis.cka import all_pairs_cka
 from layerwave.analysis.cka import cka_from_hsic
 from layerwave.analysis.cka import linear_cka
 from layerwave.analysis.cka import unbiased_hsic_all_pairs
+from layerwave.analysis.collect import CollectOptions
+from layerwave.analysis.collect import CollectResult
+from layerwave.analysis.collect import collect_stats
 from layerwave.analysis.compartments import Segmentation
 from layerwave.analysis.compartments import labels_from_blocks
 from layerwave.analysis.compartments import segment
@@ -36,6 +41,8 @@ from layerwave.analysis.token_filter import percentile_threshold
 from layerwave.analysis.token_filter import token_entropy
 
 __all__ = [
+    "CollectOptions",
+    "CollectResult",
     "LayerStats",
     "LayerStatsAccumulator",
     "Segmentation",
@@ -45,6 +52,8 @@ __all__ = [
     "check_kept",
     "compartments",
     "cka_from_hsic",
+    "collect",
+    "collect_stats",
     "covariance_entropy",
     "entropy",
     "entropy_filter_mask",

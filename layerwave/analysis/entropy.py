@@ -14,8 +14,15 @@ Definition for Z ∈ R^{n×D} (the kept tokens of one sequence at one layer):
 Normalised entropy divides by log(min(n, D)).
 
 Everything is mask-aware with fixed shapes so that one jitted, vmapped call handles all layers and sequences;
-the Gram/covariance choice is static (padded length T against D). The eigendecompositions are batched into one
+the Gram/covariance choice is static (padded length against D). The eigendecompositions are batched into one
 `eigvalsh` call over [L+1, B, m, m].
+
+Cost. The α ≠ 2 eigendecomposition is cubic in m, and it dominates the analysis (a 512×512 `eigvalsh` for each
+of 31 layers of one sequence costs about as much as SmolLM2-135M's forward over it). Only the kept tokens matter
+(masked rows are zero and add zero eigenvalues), so `prompt_entropy` first moves each sequence's kept tokens to
+the front and cuts the padded length to the smallest size of a static ladder (`bucket_sizes`) that holds the
+batch's largest kept count, choosing the branch with `lax.switch` inside the jit: every branch has static
+shapes, the result is exact, and the cost follows the number of kept tokens instead of the padded length.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "masked_matrix_entropy",
     "normalize_representations",
     "prompt_entropy",
+    "bucket_sizes",
     "covariance_entropy",
     "nonfinite_layers",
     "check_finite",
@@ -174,28 +182,81 @@ def _matrix_entropy_jit(z, alpha, normalize):
   return masked_matrix_entropy(z, jnp.ones(z.shape[:1], bool), alpha, normalize)[0]
 
 
+def bucket_sizes(length: int, dim: int, smallest: int = 16, ratio: float = 1.3) -> tuple[int, ...]:
+  """Static ladder of compacted lengths for `prompt_entropy` (each ≈ `ratio` × the previous, multiples of 8).
+
+  The ladder stops at min(length, dim); when length > dim a last rung of `length` keeps the padded shape, where
+  the D×D covariance is the smaller matrix anyway.
+
+  Args:
+    length: padded sequence length T.
+    dim: width D.
+    smallest: first rung.
+    ratio: growth factor between rungs (> 1); the eigendecomposition cost grows ~ratio³ per rung.
+
+  Returns:
+    Increasing tuple of lengths; the last one ≥ every possible kept count.
+  """
+  cap = min(int(length), int(dim))
+  sizes, m = [], max(1, min(int(smallest), cap))
+  while m < cap:
+    sizes.append(m)
+    m = max(m + 1, -(-int(np.ceil(m * ratio)) // 8) * 8)
+  sizes.append(cap)
+  if length > cap:
+    sizes.append(int(length))
+  return tuple(sizes)
+
+
+def _compact(hidden: jax.Array, mask: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """Kept tokens of each sequence first (stable order), cut to m: [L1, B, m, D], [B, m]."""
+  if m >= mask.shape[-1]:
+    return hidden, mask
+  order = jnp.argsort(~mask, axis=-1, stable=True)[:, :m]  # [B, m]
+  rows = jnp.arange(mask.shape[0])[:, None]
+  return hidden[:, rows, order], mask[rows, order]
+
+
 def prompt_entropy(
-    hidden: jax.Array, mask: jax.Array, alpha: float = 1.0, normalize: bool = True
+    hidden: jax.Array, mask: jax.Array, alpha: float = 1.0, normalize: bool = True,
+    buckets: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Per-sequence matrix entropy for every layer (prompt entropy before averaging).
 
-  One batched eigendecomposition over [L+1, B, m, m], m = min(T, D).
+  One batched eigendecomposition over [L+1, B, m, m], with m the smallest rung of `buckets` that holds the
+  batch's largest kept count (min(m, D) × min(m, D) matrices). Exact: only the kept tokens enter the Grams.
+  Under `vmap` the `lax.switch` over rungs becomes a select that runs every rung; call it unbatched.
 
   Args:
     hidden: [L+1, B, T, D] hidden states (HF indexing).
     mask: [B, T] bool keep mask (token filter ∧ attention mask).
     alpha: Rényi order (> 0, static).
     normalize: Skean normalisation (static).
+    buckets: static ladder of compacted lengths, increasing, last ≥ T or ≥ D (default `bucket_sizes(T, D)`);
+      `(T,)` disables compaction.
 
   Returns:
     (entropy, normalized): [L+1, B] float32 each. Sequences with fewer than 2 kept tokens give 0; weight them
     out with `mask.sum(-1) >= 2`.
   """
   alpha = _check_alpha(alpha)
+  _, _, t, d = hidden.shape
+  buckets = bucket_sizes(t, d) if buckets is None else tuple(int(m) for m in buckets)
+  if not buckets or list(buckets) != sorted(set(buckets)) or buckets[-1] < min(t, d):
+    raise ValueError(f"buckets must be increasing with the last >= min(T={t}, D={d}), got {buckets}")
+  mask = mask.astype(bool)
   per_seq = functools.partial(masked_matrix_entropy, alpha=alpha, normalize=normalize)
   over_batch = jax.vmap(per_seq, in_axes=(0, 0))
   over_layers = jax.vmap(over_batch, in_axes=(0, None))
-  return over_layers(hidden, mask.astype(bool))
+
+  def rung(m):
+    return lambda h, k: over_layers(*_compact(h, k, m))
+
+  if len(buckets) == 1:
+    return rung(buckets[0])(hidden, mask)
+  most = jnp.max(jnp.sum(mask.astype(jnp.int32), axis=-1))
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets), most), len(buckets) - 1)
+  return jax.lax.switch(index, [rung(m) for m in buckets], hidden, mask)
 
 
 def covariance_entropy(

@@ -15,8 +15,8 @@ What is accumulated (all float32 sums unless noted; memory independent of the nu
     place where streaming deviates from the in-memory definition.
   * minibatch CKA: the kept tokens of the batch (shuffled across the batch when a PRNG key is given) are cut
     into minibatches of `hsic_batch_size` tokens; Σ of the unbiased HSIC [L+1, L+1] (`cka.unbiased_hsic_all_
-    pairs`) and the number of minibatches with ≥ 4 tokens. The Grams of all ⌈B·T / m⌉ minibatches are formed
-    at once (vmap): transient memory ⌈B·T / m⌉ · (L+1) · m² floats per update.
+    pairs`) and the number of minibatches with ≥ 4 tokens. The Grams of the minibatches that hold kept tokens
+    (at most ⌈B·T / m⌉) are formed at once (vmap): transient memory ⌈B·T / m⌉ · (L+1) · m² floats per update.
   * exact-CKA subsample (optional, `buffer_size` > 0): a uniform random sample without replacement of kept
     tokens of fixed size, kept by bottom-k of i.i.d. uniform priorities (so merging two buffers is exact too).
   * counts: kept tokens, sequences; per-layer count of NaN/inf entries seen (finalize raises naming layers).
@@ -182,8 +182,22 @@ def _minibatch_order(keep_flat: jax.Array, key: jax.Array | None) -> jax.Array:
   return order[rank]
 
 
+def _chunk_ladder(chunks: int) -> tuple[int, ...]:
+  """Static numbers of minibatches to compute: 1, 2, 3, 4, 6, 8, 12, ... up to `chunks` (≤ 1.5× waste)."""
+  sizes, c = [], 1
+  while c < chunks:
+    sizes.append(c)
+    c = c + 1 if c < 2 else (c * 3 // 2 if c & (c - 1) == 0 else c * 4 // 3)
+  sizes.append(chunks)
+  return tuple(sorted(set(sizes)))
+
+
 def _hsic_update(hidden: jax.Array, keep: jax.Array, m: int, key) -> tuple[jax.Array, jax.Array]:
-  """Σ unbiased HSIC over the minibatches of this batch: [L1, L1] and number of valid minibatches."""
+  """Σ unbiased HSIC over the minibatches of this batch: [L1, L1] and number of valid minibatches.
+
+  Kept tokens come first in the minibatch order, so only the first ⌈kept / m⌉ minibatches hold any; a
+  `lax.switch` over a static ladder of minibatch counts computes just those (the rest would add exact zeros).
+  """
   l1, b, t, d = hidden.shape
   p = b * t
   m = min(m, p)
@@ -195,9 +209,20 @@ def _hsic_update(hidden: jax.Array, keep: jax.Array, m: int, key) -> tuple[jax.A
   idx = jnp.concatenate([order, jnp.zeros((pad,), order.dtype)])
   in_range = jnp.arange(chunks * m) < p
   mask = (keep_flat[idx] & in_range).reshape(chunks, m)
-  x = jnp.moveaxis(tokens[:, idx].reshape(l1, chunks, m, d), 1, 0)  # [C, L1, m, D]
-  hsic, valid = jax.vmap(cka_lib.unbiased_hsic_all_pairs)(x, mask)
-  return jnp.sum(hsic, axis=0), jnp.sum(valid.astype(jnp.int32))
+
+  def first(c):
+    def fn(idx, mask):
+      x = jnp.moveaxis(tokens[:, idx[:c * m]].reshape(l1, c, m, d), 1, 0)  # [c, L1, m, D]
+      hsic, valid = jax.vmap(cka_lib.unbiased_hsic_all_pairs)(x, mask[:c])
+      return jnp.sum(hsic, axis=0), jnp.sum(valid.astype(jnp.int32))
+    return fn
+
+  ladder = _chunk_ladder(chunks)
+  if len(ladder) == 1:
+    return first(chunks)(idx, mask)
+  needed = -(-jnp.sum(keep_flat.astype(jnp.int32)) // m)
+  index = jnp.minimum(jnp.searchsorted(jnp.asarray(ladder), needed), len(ladder) - 1)
+  return jax.lax.switch(index, [first(c) for c in ladder], idx, mask)
 
 
 def _bottom_k(priority: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -255,9 +280,13 @@ def update(
     if key is None:
       raise ValueError("update needs a PRNG key when the accumulator keeps an exact-CKA buffer")
     new_priority = jnp.where(keep.reshape(-1), jax.random.uniform(buf_key, (b * t,)), jnp.inf)
-    tokens = hidden.reshape(l1, b * t, d).astype(jnp.float32)
+    tokens = hidden.reshape(l1, b * t, d)
+    # Bottom-k of the batch first (a gather of at most buffer_size tokens), then of the union with the buffer:
+    # the same set as bottom-k over everything, without concatenating all B·T tokens to the buffer.
+    new_priority, tokens = _bottom_k(new_priority, tokens, min(acc.buffer_size, b * t))
     priority, buffer = _bottom_k(jnp.concatenate([priority, new_priority]),
-                                 jnp.concatenate([buffer, tokens], axis=1), acc.buffer_size)
+                                 jnp.concatenate([buffer, tokens.astype(jnp.float32)], axis=1),
+                                 acc.buffer_size)
 
   return acc.replace(
       prompt_entropy_sum=pe_sum,

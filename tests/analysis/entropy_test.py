@@ -117,3 +117,23 @@ def test_nonfinite_layers_names_the_layer():
   # A NaN at a masked-out (padding) position is ignored when a mask is given.
   mask = jnp.ones((2, 3), bool).at[0, 2].set(False)
   np.testing.assert_array_equal(me.nonfinite_layers(hidden, mask), [False, False, True, False])
+
+
+def test_prompt_entropy_bucketed_compaction_is_exact():
+  # Kept counts per batch pick different rungs of the ladder; results equal the uncompacted computation.
+  rng = np.random.default_rng(11)
+  l1, b, t, d = 2, 3, 40, 48
+  assert me.bucket_sizes(t, d) == (16, 24, 32, 40)
+  assert me.bucket_sizes(700, 576)[-2:] == (576, 700)  # T > D: last rung keeps the D×D covariance
+  hidden = jnp.asarray(rng.normal(size=(l1, b, t, d)), jnp.float32)
+  fn = jax.jit(me.prompt_entropy, static_argnums=(2, 3, 4))
+  for counts in ((3, 9, 14), (20, 2, 5), (40, 31, 0)):
+    mask = np.zeros((b, t), bool)
+    for row, n in enumerate(counts):
+      mask[row, rng.choice(t, n, replace=False)] = True
+    got = fn(hidden, jnp.asarray(mask), 1.0, True, None)
+    want = fn(hidden, jnp.asarray(mask), 1.0, True, (t,))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="buckets"):
+    me.prompt_entropy(hidden, jnp.asarray(mask), buckets=(8, 16))

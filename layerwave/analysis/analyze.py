@@ -1,0 +1,105 @@
+"""The analysis stage: `run(config, workdir)` — data → target → statistics → selections → files and plots.
+
+Place in the pipeline: first stage. `experiments/analyze.py` parses flags and calls `run`; it writes
+`W/layer_stats.json` (the wave: per-layer entropies with and without the token filter, CKA [L+1, L+1], kept-token
+counts, threshold, compartments, two-half stability), `W/selection.json` (one `LayerSelection` per strategy,
+which the draft-training stage reads by path) and `W/plots/*.png`, and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+from absl import logging
+
+from layerwave import data as data_lib
+from layerwave import inference
+from layerwave import plots
+from layerwave import sharding
+from layerwave.analysis import collect
+from layerwave.analysis import report
+
+__all__ = ["run"]
+
+
+def _dataset(config, tokenizer):
+  d = config.data
+  options = {"limit": int(d.max_records)} if d.max_records else None
+  return data_lib.build_chat_dataset(tokenizer, d.source, max_length=int(d.max_length),
+                                     heldout_fraction=float(d.heldout_fraction), split_seed=int(d.split_seed),
+                                     source_options=options)
+
+
+def run(config, workdir: str) -> dict:
+  """Runs the analysis stage.
+
+  Args:
+    config: the experiment config (configs/smollm2_135m.py): `model`, `dtype`, `mesh`, `distributed`,
+      `data` (source, max_length, max_records, heldout_fraction, split_seed) and `analysis`.
+    workdir: output folder (created).
+
+  Returns:
+    {"layer_stats": record dict, "selections": {strategy: LayerSelection}, "summary": table string,
+     "paths": written files}.
+  """
+  if not workdir:
+    raise ValueError("analysis needs --workdir: the folder for layer_stats.json, selection.json and plots/")
+  a = config.analysis
+  collect_options = collect.options_from_config(a)
+  selection_options = report.selection_options_from_config(a)
+  sharding.maybe_initialize_distributed(config.distributed)
+  mesh = sharding.make_mesh(config.mesh)
+  start = time.perf_counter()
+  target = inference.load_target(config.model, dtype=config.dtype, mesh=mesh)
+  tok = target.tokenizer
+  if tok is None or tok.chat_template is None:
+    raise ValueError(f"{config.model} has no tokenizer with a chat template; the analysis formats chat data")
+  ds = _dataset(config, tok)
+  pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+  batches = data_lib.BatchIterator(ds.source(a.split), batch_size=int(a.batch_size),
+                                   seq_len=int(config.data.max_length), pad_id=pad_id, seed=int(a.seed),
+                                   num_epochs=1)
+  logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, a.split,
+               ds.num_examples.get(a.split, 0), a.batch_size, config.data.max_length)
+  result = collect.collect_stats(target, batches, collect_options, mesh)
+
+  cfg = target.config
+  model = {"name": config.model, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+           "vocab_size": cfg.vocab_size, "dtype": config.dtype}
+  data = {"dataset": ds.name, "split": a.split, "num_examples": dict(ds.num_examples),
+          "source": config.data.source, "max_length": int(config.data.max_length),
+          "fingerprint": {k: ds.metadata.get(k) for k in ("tokenizer_fingerprint", "records_fingerprint",
+                                                          "num_records", "split_seed", "heldout_fraction")}}
+  config_dict = config.to_dict()
+  hash_value = report.data_hash(data, model, config_dict["analysis"])
+  candidates = report.selection_lib.default_candidates(cfg.num_layers, selection_options.include_embeddings,
+                                                       selection_options.include_final)
+  segmentation = report.find_compartments(report.cka_matrix(result.filtered, selection_options), candidates,
+                                          selection_options.num_blocks)
+  selections = report.run_selections(result.filtered, selection_options, num_layers=cfg.num_layers,
+                                     hidden_size=cfg.hidden_size, data_hash_value=hash_value,
+                                     segmentation=segmentation)
+  stability = None
+  if result.halves is not None:
+    stability = report.stability_report(result.halves["filtered"], selections, selection_options,
+                                        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size)
+  record = report.layer_stats_record(result, model=model, data=data, options=selection_options,
+                                     segmentation=segmentation, stability=stability, data_hash_value=hash_value,
+                                     config=config_dict)
+  record["wall_seconds"] = time.perf_counter() - start
+  summary = report.summary_table(record, selections)
+  paths = []
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    stats_path = os.path.join(workdir, "layer_stats.json")
+    selection_path = os.path.join(workdir, "selection.json")
+    report.write_json(stats_path, record)
+    report.write_json(selection_path, report.selection_file_record(selections))
+    paths = [stats_path, selection_path]
+    paths += plots.plot_all(os.path.join(workdir, "plots"), record,
+                            {name: sel.ids for name, sel in selections.items()})
+    print(summary)
+    print("\nwrote " + ", ".join(paths))
+  return {"layer_stats": record, "selections": selections, "summary": summary, "paths": paths}

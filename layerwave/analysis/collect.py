@@ -1,0 +1,411 @@
+"""Streaming collection: batches → target forward → token filter → layer statistics, all on device.
+
+Place in the pipeline: fixed-shape token batches (`layerwave.data.BatchIterator`) → `collect_stats` → a
+`CollectResult` (finalised `LayerStats` with and without the token filter, counts, the filter threshold) →
+`layerwave.selection` and `layerwave.analysis.report`.
+
+One jitted `stats_step` per batch fuses the target forward (hidden states [L+1, B, T, D] and logits), the token
+entropy (shared/METHOD.md §2), the filter and `stats.update` of two accumulators: *filtered* (eligible tokens
+whose predictive entropy passes the cut) and *unfiltered* (the control without the filter: by default a random,
+same-size subset of each sequence's eligible tokens, see `CollectOptions.unfiltered`). Eligible = real (attention
+mask) and, with `assistant_only`, inside an assistant turn; a position's own mask decides (the hidden state at
+t and its next-token entropy H_t go together). Hidden states never leave the device; the accumulators are
+fixed-size sums (`layerwave.analysis.stats`), so memory does not grow with the number of tokens.
+
+The percentile cut needs a threshold before accumulating: a calibration pass runs the forward alone over the
+first `calibration_batches` batches, and `token_filter.percentile_threshold` turns their eligible tokens'
+entropies into an absolute threshold that the statistics pass then applies to every batch (the calibration
+batches are processed again). The kept fraction over the whole stream is reported, and sits near 1 − q/100.
+
+Data parallelism: the batch is sharded over the mesh's 'data' axis and the accumulators are replicated
+(`out_shardings`); XLA's partitioner inserts the cross-device reductions of every sum, so any number of devices
+computes the same statistics as one (minibatches for HSIC are cut from the global batch, not per device).
+
+Stability: with `halves=True`, even and odd batches feed two separate accumulator sets (the same total work);
+the full-data statistics are their `stats.merge`, and the halves are returned for the agreement report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from layerwave import inference
+from layerwave import sharding
+from layerwave.analysis import entropy as entropy_lib
+from layerwave.analysis import stats as stats_lib
+from layerwave.analysis import token_filter
+
+__all__ = ["CollectOptions", "CollectResult", "collect_stats", "init_state", "options_from_config", "stats_step",
+           "update_from_outputs"]
+
+_FILTER_MODES = ("percentile", "threshold")
+_UNFILTERED = ("matched", "all", "none")
+_NORMALIZE = {"skean": True, "none": False}
+HISTOGRAM_BINS = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectOptions:
+  """Settings of one collection pass (shared/METHOD.md §2–4 flags).
+
+  Attributes:
+    temperature: softmax temperature of the token entropy.
+    filter_mode: "percentile" (keep H ≥ the q-th percentile, calibrated) or "threshold" (keep H ≥ nats).
+    percentile: q in [0, 100] for "percentile".
+    threshold: cut in nats for "threshold".
+    calibration_batches: batches of the percentile calibration pass (≥ 1).
+    assistant_only: only assistant-turn tokens are eligible.
+    alpha: Rényi order of the matrix entropy.
+    normalize: Skean normalisation (centre, unit rows).
+    hsic_batch_size: tokens per minibatch of the unbiased HSIC.
+    exact_cka_tokens: size of the token subsample for exact CKA (filtered statistics; 0 = none).
+    unfiltered: the statistics without the filter: "matched" (default) — in each sequence a uniform random
+      subset of its eligible tokens as large as its kept set, so both sides have the same n per sequence
+      (matrix entropy grows with log n; a same-size control isolates *which* tokens the filter keeps, and
+      costs the same as the filtered side); "all" — every eligible token (about 4× the eigendecomposition
+      cost at q = 50); "none".
+    halves: accumulate even and odd batches separately (stability report).
+    num_batches: stop after this many batches (0 = until the iterator ends or `max_tokens`).
+    max_tokens: stop once this many eligible tokens have been read (0 = no limit).
+    seed: PRNG seed of the HSIC minibatch shuffle and the exact-CKA subsample.
+    log_every: log progress every this many batches.
+  """
+
+  temperature: float = 1.0
+  filter_mode: str = "percentile"
+  percentile: float = 50.0
+  threshold: float = 0.0
+  calibration_batches: int = 4
+  assistant_only: bool = True
+  alpha: float = 1.0
+  normalize: bool = True
+  hsic_batch_size: int = 256
+  exact_cka_tokens: int = 0
+  unfiltered: str = "matched"
+  halves: bool = True
+  num_batches: int = 0
+  max_tokens: int = 0
+  seed: int = 0
+  log_every: int = 10
+
+  def __post_init__(self):
+    if self.filter_mode not in _FILTER_MODES:
+      raise ValueError(f"unknown filter mode {self.filter_mode!r}; use one of {_FILTER_MODES}")
+    if self.filter_mode == "percentile" and not 0.0 <= self.percentile <= 100.0:
+      raise ValueError(f"percentile must be in [0, 100], got {self.percentile}")
+    if self.calibration_batches < 1:
+      raise ValueError(f"calibration_batches must be >= 1, got {self.calibration_batches}")
+    if self.temperature <= 0:
+      raise ValueError(f"temperature must be > 0, got {self.temperature}")
+    if self.alpha <= 0:
+      raise ValueError(f"Rényi order alpha must be > 0, got {self.alpha}")
+    if self.unfiltered not in _UNFILTERED:
+      raise ValueError(f"unknown unfiltered mode {self.unfiltered!r}; use one of {_UNFILTERED}")
+    if self.num_batches < 0 or self.max_tokens < 0:
+      raise ValueError("num_batches and max_tokens must be >= 0 (0 = no limit)")
+
+
+def options_from_config(analysis: Any) -> CollectOptions:
+  """`CollectOptions` from a config's `analysis` section (configs/smollm2_135m.py)."""
+  if analysis.normalize not in _NORMALIZE:
+    raise ValueError(f"analysis.normalize must be one of {sorted(_NORMALIZE)}, got {analysis.normalize!r}")
+  return CollectOptions(
+      temperature=float(analysis.temperature), filter_mode=analysis.filter,
+      percentile=float(analysis.percentile), threshold=float(analysis.threshold),
+      calibration_batches=int(analysis.calibration_batches), assistant_only=bool(analysis.assistant_only),
+      alpha=float(analysis.alpha), normalize=_NORMALIZE[analysis.normalize],
+      hsic_batch_size=int(analysis.hsic_batch_size), exact_cka_tokens=int(analysis.exact_cka_tokens),
+      unfiltered=str(analysis.unfiltered), halves=bool(analysis.stability),
+      num_batches=int(analysis.num_batches), max_tokens=int(analysis.max_tokens), seed=int(analysis.seed),
+      log_every=int(analysis.log_every))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectResult:
+  """Finalised statistics of one pass (host values).
+
+  Attributes:
+    filtered: statistics of the kept tokens (filter applied).
+    unfiltered: statistics without the filter (`CollectOptions.unfiltered`), or None.
+    halves: {"filtered": (even, odd), "unfiltered": (even, odd)} statistics of the even / odd batches, or None.
+    threshold: the entropy cut in nats that was applied.
+    counts: positions (real tokens), eligible, kept, batches, sequences, padded positions.
+    token_entropy: mean H over eligible / kept tokens, histogram of H over eligible and kept tokens
+      (`HISTOGRAM_BINS` bins over [0, log V]) and its bin edges.
+    seconds: wall time of the statistics pass (after compilation of its first batch).
+    options: the settings used.
+  """
+
+  filtered: stats_lib.LayerStats
+  unfiltered: stats_lib.LayerStats | None
+  halves: dict | None
+  threshold: float
+  counts: dict
+  token_entropy: dict
+  seconds: float
+  options: CollectOptions
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Jitted steps.
+
+_TRACES = {"stats_step": 0}  # trace counter: tests assert one compilation for a whole stream
+
+
+def _eligible(attention_mask, assistant_mask, assistant_only: bool):
+  real = attention_mask.astype(bool)
+  return real & assistant_mask.astype(bool) if assistant_only else real
+
+
+def token_entropy_step(graphdef, params, tokens, attention_mask, assistant_mask, *, temperature: float,
+                       assistant_only: bool):
+  """Calibration: the forward without hidden states → token entropy [B, T] and eligibility [B, T]."""
+  out = inference.forward_fn(graphdef, params, tokens, attention_mask)
+  entropy = token_filter.token_entropy(out.logits, temperature)
+  return entropy, _eligible(attention_mask, assistant_mask, assistant_only)
+
+
+def _token_state(num_layers_plus_one: int) -> dict:
+  i32, f32 = jnp.int32, jnp.float32
+  return {"positions": jnp.zeros((), i32), "eligible": jnp.zeros((), i32), "kept": jnp.zeros((), i32),
+          "entropy_sum_eligible": jnp.zeros((), f32), "entropy_sum_kept": jnp.zeros((), f32),
+          "hist_eligible": jnp.zeros((HISTOGRAM_BINS,), i32), "hist_kept": jnp.zeros((HISTOGRAM_BINS,), i32),
+          "nonfinite_logits": jnp.zeros((), i32), "nonfinite_hidden": jnp.zeros((num_layers_plus_one,), i32)}
+
+
+def _histogram(values, weights, top: float):
+  bins = jnp.clip((values / top * HISTOGRAM_BINS).astype(jnp.int32), 0, HISTOGRAM_BINS - 1)
+  return jnp.zeros((HISTOGRAM_BINS,), jnp.int32).at[bins.reshape(-1)].add(weights.reshape(-1).astype(jnp.int32))
+
+
+def _matched(eligible, keep, key):
+  """Per sequence, a uniform random subset of the eligible tokens of the kept set's size: [B, T] bool."""
+  priority = jnp.where(eligible, jax.random.uniform(key, eligible.shape), jnp.inf)
+  n = jnp.sum(keep.astype(jnp.int32), axis=-1)  # [B]
+  cut = jnp.take_along_axis(jnp.sort(priority, axis=-1), jnp.maximum(n - 1, 0)[:, None], axis=-1)
+  return eligible & (priority <= cut) & (n[:, None] > 0)
+
+
+def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, threshold, index, *,
+               options: CollectOptions):
+  """One batch: forward → token entropy → filter → both accumulators (pure; jit once per stream, donating).
+
+  Args:
+    graphdef, params: the target (`Target.graphdef`, `Target.params`).
+    state: {"filtered": acc, "unfiltered": acc (optional), "tokens": counters}.
+    tokens, attention_mask, assistant_mask: [B, T] int32 (batch sharded over 'data').
+    threshold: float32 scalar, the entropy cut in nats.
+    index: int32 scalar, the batch number (PRNG stream for HSIC shuffles and the exact-CKA subsample).
+    options: static settings.
+
+  Returns:
+    The updated state.
+  """
+  _TRACES["stats_step"] += 1
+  out = inference.forward_fn(graphdef, params, tokens, attention_mask, return_hidden_states=True)
+  return update_from_outputs(state, out.hidden_states, out.logits, attention_mask, assistant_mask, threshold,
+                             index, options=options)
+
+
+def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, threshold, index, *,
+                        options: CollectOptions):
+  """The statistics half of `stats_step`, from target outputs (hidden [L+1, B, T, D], logits [B, T, V]).
+
+  Args and returns as `stats_step`; used alone by experiments/bench_stats.py (statistics without the forward).
+  """
+  entropy = token_filter.token_entropy(logits, options.temperature)  # [B, T]
+  eligible = _eligible(attention_mask, assistant_mask, options.assistant_only)
+  finite = jnp.isfinite(entropy)
+  keep = eligible & finite & (entropy >= threshold)
+  key_f, key_u = jax.random.split(jax.random.fold_in(jax.random.key(options.seed), index))
+  new = dict(state)
+  new["filtered"] = stats_lib.update(state["filtered"], hidden, keep, key_f)
+  if "unfiltered" in state:
+    key_u, key_m = jax.random.split(key_u)
+    control = _matched(eligible, keep, key_m) if options.unfiltered == "matched" else eligible
+    new["unfiltered"] = stats_lib.update(state["unfiltered"], hidden, control, key_u)
+  t = state["tokens"]
+  top = math.log(logits.shape[-1])
+  h = jnp.where(finite, entropy, 0.0)
+  new["tokens"] = {
+      "positions": t["positions"] + jnp.sum(attention_mask.astype(jnp.int32)),
+      "eligible": t["eligible"] + jnp.sum(eligible.astype(jnp.int32)),
+      "kept": t["kept"] + jnp.sum(keep.astype(jnp.int32)),
+      "entropy_sum_eligible": t["entropy_sum_eligible"] + jnp.sum(jnp.where(eligible, h, 0.0)),
+      "entropy_sum_kept": t["entropy_sum_kept"] + jnp.sum(jnp.where(keep, h, 0.0)),
+      "hist_eligible": t["hist_eligible"] + _histogram(h, eligible & finite, top),
+      "hist_kept": t["hist_kept"] + _histogram(h, keep, top),
+      "nonfinite_logits": t["nonfinite_logits"] + jnp.sum((eligible & ~finite).astype(jnp.int32)),
+      "nonfinite_hidden": t["nonfinite_hidden"] + entropy_lib.nonfinite_layers(hidden, eligible).astype(jnp.int32),
+  }
+  return new
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The driver.
+
+
+def init_state(target, options: CollectOptions, mesh) -> dict:
+  """Empty replicated state for `stats_step`: both accumulators and the token counters."""
+  cfg = target.config
+  make = functools.partial(stats_lib.init, cfg.num_layers + 1, cfg.hidden_size, alpha=options.alpha,
+                           normalize=options.normalize, hsic_batch_size=options.hsic_batch_size)
+  state = {"filtered": make(buffer_size=options.exact_cka_tokens), "tokens": _token_state(cfg.num_layers + 1)}
+  if options.unfiltered != "none":
+    state["unfiltered"] = make(buffer_size=0)
+  return jax.device_put(state, sharding.replicated(mesh))
+
+
+def _put_batch(batch, mesh):
+  arrays = [np.asarray(a, np.int32) for a in (batch.input_ids, batch.attention_mask, batch.assistant_mask)]
+  if arrays[0].ndim != 2 or any(a.shape != arrays[0].shape for a in arrays):
+    raise ValueError(f"a batch needs input_ids / attention_mask / assistant_mask of one shape [B, T]; got "
+                     f"{[a.shape for a in arrays]}")
+  sharding.check_batch(mesh, arrays[0].shape[0])
+  return jax.device_put(arrays, sharding.batch_sharding(mesh))
+
+
+def _calibrate(target, calibration: list, options: CollectOptions, mesh) -> float:
+  step = jax.jit(functools.partial(token_entropy_step, target.graphdef, temperature=options.temperature,
+                                   assistant_only=options.assistant_only))
+  entropies, masks = [], []
+  for batch in calibration:
+    entropy, eligible = step(target.params, *_put_batch(batch, mesh))
+    entropies.append(np.asarray(entropy))
+    masks.append(np.asarray(eligible) & np.isfinite(np.asarray(entropy)))
+  threshold = token_filter.percentile_threshold(entropies, masks, options.percentile)
+  logging.info("Calibration over %d batches (%d eligible tokens): the %.1f-th percentile of token entropy "
+               "is %.4f nats.", len(calibration), int(sum(m.sum() for m in masks)), options.percentile,
+               threshold)
+  return threshold
+
+
+def _host_eligible(batch, assistant_only: bool) -> int:
+  m = np.asarray(batch.attention_mask).astype(bool)
+  if assistant_only:
+    m &= np.asarray(batch.assistant_mask).astype(bool)
+  return int(m.sum())
+
+
+def collect_stats(target, batches: Iterable, options: CollectOptions | None = None,
+                  mesh=None) -> CollectResult:
+  """Runs the target over `batches` and accumulates every layer statistic on device.
+
+  Args:
+    target: a `layerwave.Target` (graphdef, params, config).
+    batches: iterable of `layerwave.data.Batch` (or anything with input_ids, attention_mask,
+      assistant_mask [B, T]); every batch has the same shape, B divisible by the mesh's 'data' axis.
+    options: settings (default `CollectOptions()`).
+    mesh: the device mesh (default `target.mesh`).
+
+  Returns:
+    CollectResult.
+
+  Raises:
+    ValueError: no batch, no eligible token, or the filter kept no token.
+    FloatingPointError: NaN/inf in a hidden state (names the layers) or in the logits.
+  """
+  options = options or CollectOptions()
+  mesh = target.mesh if mesh is None else mesh
+  stream = iter(batches)
+  if options.num_batches:
+    stream = itertools.islice(stream, options.num_batches)
+
+  threshold = float(options.threshold)
+  if options.filter_mode == "percentile":
+    calibration = list(itertools.islice(stream, options.calibration_batches))
+    if not calibration:
+      raise ValueError("collect_stats got no batch: the data source is empty (check the dataset split)")
+    threshold = _calibrate(target, calibration, options, mesh)
+    stream = itertools.chain(calibration, stream)
+
+  step = jax.jit(functools.partial(stats_step, target.graphdef, options=options), donate_argnums=(1,),
+                 out_shardings=sharding.replicated(mesh))
+  num_halves = 2 if options.halves else 1
+  states = [init_state(target, options, mesh) for _ in range(num_halves)]
+  threshold_arr = np.float32(threshold)
+  seen_eligible = num_batches = 0
+  shape = None
+  start = last_time = None
+  last_positions = 0
+  for index, batch in enumerate(stream):
+    arrays = _put_batch(batch, mesh)
+    if shape is None:
+      shape = arrays[0].shape
+    elif arrays[0].shape != shape:
+      raise ValueError(f"batch {index} has shape {arrays[0].shape}, the stream started with {shape}: "
+                       "use fixed-shape batches (BatchIterator with drop_remainder, or one seq_len)")
+    half = index % num_halves
+    states[half] = step(target.params, states[half], *arrays, threshold_arr, np.int32(index))
+    num_batches += 1
+    seen_eligible += _host_eligible(batch, options.assistant_only)
+    if index == 0:
+      jax.block_until_ready(states[half])  # compilation + first batch: not part of the throughput
+      start = last_time = time.perf_counter()
+    elif options.log_every and num_batches % options.log_every == 0:
+      counts = _counts(states)
+      now = time.perf_counter()
+      logging.info("batch %d: %d tokens (%d eligible, %d kept), %.0f tokens/s.", num_batches,
+                   counts["positions"], counts["eligible"], counts["kept"],
+                   (counts["positions"] - last_positions) / max(now - last_time, 1e-9))
+      last_time, last_positions = now, counts["positions"]
+    if options.max_tokens and seen_eligible >= options.max_tokens:
+      break
+  if num_batches == 0:
+    raise ValueError("collect_stats got no batch: the data source is empty (check the dataset split)")
+  jax.block_until_ready(states)
+  seconds = time.perf_counter() - start if num_batches > 1 else float("nan")
+  return _finish(states, threshold, options, num_batches, shape, seconds, target.config.vocab_size)
+
+
+def _counts(states: list[dict]) -> dict:
+  tokens = jax.tree.map(lambda *xs: sum(np.asarray(x) for x in xs), *[s["tokens"] for s in states])
+  return {k: (int(v) if np.ndim(v) == 0 else v) for k, v in tokens.items()}
+
+
+def _finish(states, threshold, options, num_batches, shape, seconds, vocab_size) -> CollectResult:
+  tok = _counts(states)
+  entropy_lib.check_finite(tok["nonfinite_hidden"])  # names the layers
+  if tok["nonfinite_logits"]:
+    raise FloatingPointError(f"NaN/inf in the target logits at {tok['nonfinite_logits']} eligible positions "
+                             "(check the weights and dtype)")
+  if tok["eligible"] == 0:
+    raise ValueError("no eligible token in the data: every position is padding"
+                     + (" or outside assistant turns (set analysis.assistant_only=False for plain text)"
+                        if options.assistant_only else ""))
+  if tok["kept"] == 0:
+    raise ValueError(f"the token filter kept no token of {tok['eligible']} eligible (threshold "
+                     f"{threshold:.4f} nats): lower analysis.threshold / analysis.percentile, or check the "
+                     "attention / assistant masks")
+  kinds = ["filtered"] + (["unfiltered"] if options.unfiltered != "none" else [])
+  merged = {k: functools.reduce(stats_lib.merge, [s[k] for s in states]) for k in kinds}
+  final = {k: stats_lib.finalize(v) for k, v in merged.items()}
+  halves = None
+  if len(states) == 2:
+    halves = {k: tuple(stats_lib.finalize(s[k]) if int(s[k].num_tokens) else None for s in states)
+              for k in kinds}
+  b, t = shape
+  counts = {"batches": num_batches, "batch_size": b, "seq_len": t, "padded_positions": num_batches * b * t,
+            "positions": tok["positions"], "eligible": tok["eligible"], "kept": tok["kept"],
+            "kept_fraction": tok["kept"] / tok["eligible"]}
+  entropy = {
+      "mean_eligible": tok["entropy_sum_eligible"] / tok["eligible"],
+      "mean_kept": tok["entropy_sum_kept"] / tok["kept"],
+      "histogram_eligible": np.asarray(tok["hist_eligible"]).tolist(),
+      "histogram_kept": np.asarray(tok["hist_kept"]).tolist(),
+      "histogram_edges": np.linspace(0.0, math.log(vocab_size), HISTOGRAM_BINS + 1).tolist(),
+  }
+  return CollectResult(filtered=final["filtered"], unfiltered=final.get("unfiltered"), halves=halves,
+                       threshold=float(threshold), counts=counts, token_entropy=entropy, seconds=seconds,
+                       options=options)

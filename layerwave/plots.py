@@ -1,0 +1,166 @@
+"""Figures of the analysis stage: the entropy wave, the CKA map with compartments, the chosen layers.
+
+Place in the pipeline: `layer_stats.json` / `selection.json` contents (written by `layerwave.analysis.report`)
+→ PNG files under `W/plots/`. Reads plain dicts and arrays only, so a notebook can redraw from the JSON files.
+matplotlib runs headless (Agg backend); every file is written atomically (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+__all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
+           "plot_all"]
+
+
+def save_figure(fig, path: str) -> str:
+  """Saves a figure atomically as PNG and closes it; returns the path."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".png", dir=folder)
+  os.close(fd)
+  try:
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  finally:
+    plt.close(fig)
+  return path
+
+
+def _shade_blocks(ax, blocks: Sequence[Sequence[int]]):
+  for i, (s, e) in enumerate(blocks):
+    ax.axvspan(s - 0.5, e - 0.5, color="0.85" if i % 2 else "0.93", zorder=0, lw=0)
+
+
+def plot_entropy_wave(path: str, record: Mapping) -> str:
+  """Entropy across depth, with and without the token filter (prompt and dataset level, normalised).
+
+  Args:
+    path: output PNG.
+    record: `layer_stats.json` content (`filtered`, `unfiltered`, `compartments`, `stability` optional).
+
+  Returns:
+    path.
+  """
+  layers = np.asarray(record["layer_ids"])
+  fig, axes = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+  for ax, level in zip(axes, ("prompt", "dataset")):
+    _shade_blocks(ax, record["compartments"]["blocks"])
+    key = f"{level}_entropy_normalized"
+    ax.plot(layers, record["filtered"][key], "o-", color="C0", ms=3.5, label="token-entropy filter")
+    if record.get("unfiltered"):
+      ax.plot(layers, record["unfiltered"][key], "s--", color="C1", ms=3, label="no filter ("
+              + str(record["filter"].get("unfiltered_control", "")) + ")")
+    ax.set_ylabel(f"{level} entropy / log(min(n, D))")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower center", fontsize=8)
+  axes[0].set_title(f"{record['model'].get('name', '')}: matrix entropy across depth "
+                    f"(α={record['filtered']['alpha']}; shaded = compartments)")
+  axes[-1].set_xlabel("layer id (HF hidden_states: 0 = embeddings, L = final norm)")
+  axes[-1].set_xticks(layers[::max(1, len(layers) // 16)])
+  return save_figure(fig, path)
+
+
+def plot_cka(path: str, cka, blocks: Sequence[Sequence[int]], title: str = "linear CKA") -> str:
+  """CKA heatmap [L+1, L+1] with the compartment boundaries drawn as squares on the diagonal.
+
+  Args:
+    path: output PNG.
+    cka: [L+1, L+1] matrix.
+    blocks: compartments ((start, end) pairs, end exclusive, layer ids).
+    title: figure title.
+
+  Returns:
+    path.
+  """
+  c = np.asarray(cka, np.float64)
+  fig, ax = plt.subplots(figsize=(6.4, 5.6))
+  im = ax.imshow(c, cmap="viridis", vmin=min(0.0, float(np.nanmin(c))), vmax=1.0, origin="upper")
+  for s, e in blocks:
+    ax.add_patch(matplotlib.patches.Rectangle((s - 0.5, s - 0.5), e - s, e - s, fill=False, ec="red", lw=1.4))
+  fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+  ax.set_title(title)
+  ax.set_xlabel("layer id")
+  ax.set_ylabel("layer id")
+  return save_figure(fig, path)
+
+
+def plot_selections(path: str, record: Mapping, selections: Mapping[str, Sequence[int]]) -> str:
+  """The filtered entropy wave with each strategy's chosen layers marked (one row per strategy).
+
+  Args:
+    path: output PNG.
+    record: `layer_stats.json` content.
+    selections: {strategy: ids}.
+
+  Returns:
+    path.
+  """
+  layers = np.asarray(record["layer_ids"])
+  level = record["selection_inputs"]["granularity"]
+  e = np.asarray(record["filtered"][f"{level}_entropy"])
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3 + 0.35 * len(selections)), sharex=True,
+                                    gridspec_kw={"height_ratios": [2, max(1, 0.35 * len(selections))]})
+  _shade_blocks(top, record["compartments"]["blocks"])
+  top.plot(layers, e, "o-", color="C0", ms=3.5)
+  top.set_ylabel(f"{level} entropy (nats)")
+  top.grid(alpha=0.3)
+  top.set_title("chosen layers per strategy (filtered statistics)")
+  for row, (name, ids) in enumerate(selections.items()):
+    ids = list(ids)
+    bottom.scatter(ids, [row] * len(ids), marker="D", s=36, color=f"C{row % 10}", zorder=3)
+    top.scatter(ids, e[ids], s=80, facecolors="none", edgecolors=f"C{row % 10}", zorder=3)
+  _shade_blocks(bottom, record["compartments"]["blocks"])
+  bottom.set_yticks(range(len(selections)))
+  bottom.set_yticklabels(list(selections))
+  bottom.set_ylim(-0.6, len(selections) - 0.4)
+  bottom.invert_yaxis()
+  bottom.grid(axis="x", alpha=0.3)
+  bottom.set_xlabel("layer id")
+  bottom.set_xticks(layers[::max(1, len(layers) // 16)])
+  return save_figure(fig, path)
+
+
+def plot_token_entropy(path: str, record: Mapping) -> str:
+  """Histogram of token predictive entropy (eligible and kept tokens) with the filter threshold."""
+  te = record["token_entropy"]
+  edges = np.asarray(te["histogram_edges"])
+  centers, width = 0.5 * (edges[1:] + edges[:-1]), np.diff(edges)
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  ax.bar(centers, te["histogram_eligible"], width=width, color="0.7", label="eligible")
+  ax.bar(centers, te["histogram_kept"], width=width, color="C0", alpha=0.8, label="kept")
+  ax.axvline(record["filter"]["threshold_nats"], color="red", lw=1.2, label="threshold")
+  ax.set_xlabel("token predictive entropy H_t (nats)")
+  ax.set_ylabel("tokens")
+  ax.set_yscale("log")
+  ax.legend(fontsize=8)
+  return save_figure(fig, path)
+
+
+def plot_all(folder: str, record: Mapping, selections: Mapping[str, Sequence[int]]) -> list[str]:
+  """Every analysis figure into `folder`; returns the paths."""
+  paths = [plot_entropy_wave(os.path.join(folder, "entropy_wave.png"), record),
+           plot_selections(os.path.join(folder, "selections.png"), record, selections),
+           plot_token_entropy(os.path.join(folder, "token_entropy.png"), record)]
+  blocks = record["compartments"]["blocks"]
+  cka_name = record["selection_inputs"]["cka"]
+  for kind in ("filtered", "unfiltered"):
+    stats = record.get(kind)
+    if not stats:
+      continue
+    matrix = stats["cka_exact"] if cka_name == "exact" and stats.get("cka_exact") else stats["cka_minibatch"]
+    paths.append(plot_cka(os.path.join(folder, f"cka_{kind}.png"), matrix, blocks,
+                          f"{cka_name} linear CKA, {kind} tokens (red: compartments)"))
+  return paths

@@ -1,0 +1,256 @@
+"""Tests for layerwave.analysis.collect: streaming collection on a tiny random Llama vs float64 numpy.
+
+The reference recomputes every statistic in numpy float64 from the full hidden states and logits of the same
+batches (token entropy, filter, prompt / dataset entropy, exact and minibatch CKA). Also: 8 simulated devices
+equal 1, one compilation per stream, the percentile calibration, and the clear errors.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import layerwave
+from layerwave.analysis import collect
+from layerwave.analysis import token_filter
+
+from tests.models import hf_reference
+
+B, T = 8, 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("tiny") / "llama")
+  hf_reference.save_hf_model("llama", path)
+  return path, layerwave.load_target(path)
+
+
+@dataclasses.dataclass
+class FakeBatch:
+  input_ids: np.ndarray
+  attention_mask: np.ndarray
+  assistant_mask: np.ndarray
+
+
+def _batches(n, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    lengths = rng.integers(T // 2, T + 1, size=B)
+    attention = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
+    assistant = attention * (np.arange(T)[None] >= rng.integers(0, 4, size=(B, 1))).astype(np.int32)
+    ids = rng.integers(3, 97, size=(B, T)).astype(np.int32) * attention
+    out.append(FakeBatch(ids, attention, assistant))
+  return out
+
+
+def _ref_entropy(z):
+  z = z - z.mean(0)
+  z = z / np.linalg.norm(z, axis=1, keepdims=True)
+  k = z @ z.T if z.shape[0] <= z.shape[1] else z.T @ z
+  lam = np.clip(np.linalg.eigvalsh(k / np.trace(k)), 0, None)
+  p = lam[lam > 1e-10]
+  return float(-(p * np.log(p)).sum())
+
+
+def _ref_cka(x, y):
+  x, y = x - x.mean(0), y - y.mean(0)
+  return np.linalg.norm(y.T @ x) ** 2 / (np.linalg.norm(x.T @ x) * np.linalg.norm(y.T @ y))
+
+
+def _ref_hsic(ka, kb):
+  m = ka.shape[0]
+  ka, kb = ka - np.diag(np.diag(ka)), kb - np.diag(np.diag(kb))
+  one = np.ones(m)
+  return (np.trace(ka @ kb) + one @ ka @ one * (one @ kb @ one) / ((m - 1) * (m - 2))
+          - 2 / (m - 2) * one @ ka @ kb @ one) / (m * (m - 3))
+
+
+def _reference(target, batches, threshold):
+  """float64 statistics of the kept tokens: prompt / dataset entropy, exact and minibatch CKA, counts."""
+  prompt, pooled, tokens, hsic = [], [], [], 0.0
+  kept = eligible_total = 0
+  for batch in batches:
+    out = target.forward(batch.input_ids, batch.attention_mask, return_hidden_states=True)
+    hidden = np.asarray(out.hidden_states, np.float64)
+    logits = np.asarray(out.logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    ent = -(np.exp(logp) * logp).sum(-1)
+    eligible = batch.attention_mask.astype(bool) & batch.assistant_mask.astype(bool)
+    keep = eligible & (ent >= threshold)
+    kept += keep.sum()
+    eligible_total += eligible.sum()
+    for b in range(B):
+      z = hidden[:, b][:, keep[b]]  # [L1, n, D]
+      if z.shape[1] >= 2:
+        prompt.append(([_ref_entropy(zl) for zl in z], z.shape[1]))
+      if z.shape[1] >= 1:
+        v = z.mean(1)
+        pooled.append(v / np.linalg.norm(v, axis=1, keepdims=True))
+    x = hidden[:, keep]  # [L1, n, D]: the batch's kept tokens (one HSIC minibatch: hsic_batch_size >= B*T)
+    tokens.append(x)
+    x = x - x.mean(1, keepdims=True)
+    grams = np.einsum("lnd,lmd->lnm", x, x)
+    hsic = hsic + np.array([[_ref_hsic(ga, gb) for gb in grams] for ga in grams])
+  d = hidden.shape[-1]
+  pe = np.mean([p for p, _ in prompt], axis=0)
+  pen = np.mean([np.asarray(p) / np.log(min(n, d)) for p, n in prompt], axis=0)
+  pooled = np.stack(pooled, 1)  # [L1, S, D]
+  de = np.array([_ref_entropy_covariance(v) for v in pooled])
+  x = np.concatenate(tokens, axis=1)
+  exact = np.array([[_ref_cka(a, b) for b in x] for a in x])
+  minibatch = hsic / np.sqrt(np.outer(np.diag(hsic), np.diag(hsic)))
+  return dict(prompt=pe, prompt_norm=pen, dataset=de, exact=exact, minibatch=minibatch, kept=int(kept),
+              eligible=int(eligible_total), sequences=pooled.shape[1])
+
+
+def _ref_entropy_covariance(v):
+  v = v - v.mean(0)
+  c = v.T @ v
+  lam = np.clip(np.linalg.eigvalsh(c / np.trace(c)), 0, None)
+  p = lam[lam > 1e-10]
+  return float(-(p * np.log(p)).sum())
+
+
+def _threshold_in_a_gap(target, batches):
+  """The median eligible entropy, moved to the middle of a gap so float32 vs float64 cannot flip a token."""
+  values = []
+  for batch in batches:
+    out = target.forward(batch.input_ids, batch.attention_mask)
+    ent = np.asarray(token_filter.token_entropy(out.logits))
+    values.append(ent[batch.attention_mask.astype(bool) & batch.assistant_mask.astype(bool)])
+  v = np.sort(np.concatenate(values))
+  gaps = np.diff(v)
+  mid = len(v) // 2
+  i = mid - 5 + int(np.argmax(gaps[mid - 5:mid + 5]))
+  return float(0.5 * (v[i] + v[i + 1]))
+
+
+def _options(**kw):
+  base = dict(filter_mode="threshold", hsic_batch_size=B * T, exact_cka_tokens=B * T * 3, unfiltered="all",
+              halves=True, log_every=1)
+  base.update(kw)
+  return collect.CollectOptions(**base)
+
+
+def test_collection_matches_float64_reference(tiny):
+  _, target = tiny
+  batches = _batches(3)
+  threshold = _threshold_in_a_gap(target, batches)
+  traces = collect._TRACES["stats_step"]
+  result = collect.collect_stats(target, batches, _options(threshold=threshold))
+  assert collect._TRACES["stats_step"] == traces + 1  # one compilation for the whole stream
+  ref = _reference(target, batches, threshold)
+  f = result.filtered
+  assert result.counts["kept"] == f.num_tokens == ref["kept"]
+  assert result.counts["eligible"] == ref["eligible"] and result.counts["batches"] == 3
+  assert f.num_sequences == ref["sequences"] and f.num_exact_tokens == ref["kept"]
+  tol = dict(rtol=2e-3, atol=2e-3)
+  np.testing.assert_allclose(f.prompt_entropy, ref["prompt"], **tol)
+  np.testing.assert_allclose(f.prompt_entropy_normalized, ref["prompt_norm"], **tol)
+  np.testing.assert_allclose(f.dataset_entropy, ref["dataset"], **tol)
+  np.testing.assert_allclose(f.cka_exact, ref["exact"], **tol)
+  np.testing.assert_allclose(f.cka_minibatch, ref["minibatch"], **tol)
+  # No filter ("all"): every eligible token.
+  ref_all = _reference(target, batches, -np.inf)
+  np.testing.assert_allclose(result.unfiltered.prompt_entropy, ref_all["prompt"], **tol)
+  np.testing.assert_allclose(result.unfiltered.cka_minibatch, ref_all["minibatch"], **tol)
+  assert result.unfiltered.num_tokens == ref_all["kept"] == ref["eligible"]
+  # Halves: even / odd batches, disjoint, summing to the whole.
+  halves = result.halves["filtered"]
+  assert halves[0].num_tokens + halves[1].num_tokens == f.num_tokens
+  hist = np.asarray(result.token_entropy["histogram_kept"])
+  assert hist.sum() == ref["kept"] and len(result.token_entropy["histogram_edges"]) == hist.size + 1
+
+
+def test_matched_control_has_the_kept_count_per_sequence(tiny):
+  _, target = tiny
+  batches = _batches(2, seed=1)
+  result = collect.collect_stats(target, batches, _options(threshold=_threshold_in_a_gap(target, batches),
+                                                           unfiltered="matched", halves=False))
+  assert result.unfiltered.num_tokens == result.filtered.num_tokens
+  assert result.unfiltered.num_prompts == result.filtered.num_prompts
+  assert result.halves is None
+
+
+def test_percentile_calibration_sets_the_threshold(tiny):
+  _, target = tiny
+  batches = _batches(3, seed=2)
+  result = collect.collect_stats(target, batches, collect.CollectOptions(
+      percentile=30.0, calibration_batches=2, hsic_batch_size=16, unfiltered="none"))
+  values = []
+  for batch in batches[:2]:
+    ent = np.asarray(token_filter.token_entropy(target.forward(batch.input_ids, batch.attention_mask).logits))
+    values.append(ent[batch.attention_mask.astype(bool) & batch.assistant_mask.astype(bool)])
+  assert result.threshold == pytest.approx(np.percentile(np.concatenate(values), 30.0), abs=1e-5)
+  assert result.counts["batches"] == 3  # the calibration batches are analysed too
+  assert 0.6 < result.counts["kept_fraction"] < 0.8
+  assert result.unfiltered is None
+
+
+def test_clear_errors(tiny):
+  _, target = tiny
+  with pytest.raises(ValueError, match="kept no token"):
+    collect.collect_stats(target, _batches(1), _options(threshold=1e9))
+  with pytest.raises(ValueError, match="no batch"):
+    collect.collect_stats(target, [], collect.CollectOptions())
+  with pytest.raises(ValueError, match="unknown filter mode"):
+    collect.CollectOptions(filter_mode="median")
+  broken = _batches(2)
+  broken[1] = FakeBatch(*(a[:, :T // 2] for a in (broken[1].input_ids, broken[1].attention_mask,
+                                                    broken[1].assistant_mask)))
+  with pytest.raises(ValueError, match="fixed-shape"):
+    collect.collect_stats(target, broken, _options(threshold=0.0))
+
+  def poison(path, x):  # inf in block 1's MLP: hidden states 2.. (HF indexing) become non-finite
+    name = jax.tree_util.keystr(path)
+    return x * np.inf if "[1]['mlp']['down_proj']" in name.replace('"', "'") else x
+
+  bad = dataclasses.replace(target, params=jax.tree_util.tree_map_with_path(poison, target.params))
+  with pytest.raises(FloatingPointError, match=r"layer index\(es\) \[2, 3\]"):
+    collect.collect_stats(bad, _batches(1), _options(threshold=0.0, halves=False))
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, dataclasses
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import numpy as np, layerwave
+    from layerwave.analysis import collect
+    sys.path.insert(0, sys.argv[3])
+    from tests.analysis import collect_test as ct
+    assert len(jax.devices()) == 8
+    target = layerwave.load_target(sys.argv[1])
+    r = collect.collect_stats(target, ct._batches(3), ct._options(threshold=float(sys.argv[4])))
+    json.dump({"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts},
+              open(sys.argv[2], "w"))
+""")
+
+
+def test_eight_devices_match_one(tiny, tmp_path):
+  path, target = tiny
+  batches = _batches(3)
+  threshold = _threshold_in_a_gap(target, batches)
+  out = str(tmp_path / "out.json")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  subprocess.run([sys.executable, "-c", SCRIPT, path, out, root, repr(threshold)], check=True, env=env,
+                 timeout=600)
+  with open(out) as f:
+    multi = json.load(f)
+  single = collect.collect_stats(target, batches, _options(threshold=threshold))
+  assert multi["counts"] == single.counts
+  for kind, stats in (("filtered", single.filtered), ("unfiltered", single.unfiltered)):
+    for name, value in stats.as_dict().items():
+      if isinstance(value, list):
+        np.testing.assert_allclose(multi[kind][name], value, rtol=1e-4, atol=1e-4, err_msg=f"{kind}.{name}")
+      else:
+        assert multi[kind][name] == value, (kind, name)
