@@ -7,7 +7,7 @@ prints a markdown table (paste into BENCHMARKS.md).
 
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
-      --workdir=/tmp/bench --datasets=gsm8k --methods=chain3,tree --temperatures=0
+      --workdir=out/bench --datasets=gsm8k --methods=chain3,tree --temperatures=0
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Export a trained draft as an EAGLE-3 Hugging Face directory (for vLLM / SGLang).
 
-  python experiments/export_draft.py --draft=W --out=/tmp/my-eagle3
-  python experiments/export_draft.py --draft=W --out=/tmp/my-eagle3 --overwrite --dtype=bfloat16
+  python experiments/export_draft.py --draft=W --out=out/my-eagle3
+  python experiments/export_draft.py --draft=W --out=out/my-eagle3 --overwrite --dtype=bfloat16
 
 Loads the target recorded in W's checkpoint (or --model), then the draft, and writes config.json +
 model.safetensors (see layerwave/export.py for the layer-id convention each engine reads). Serve it with e.g.
-  vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "/tmp/my-eagle3", ...}'
+  vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "out/my-eagle3", ...}'
 """
 
 from absl import app

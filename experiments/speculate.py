@@ -2,7 +2,7 @@
 
   python experiments/speculate.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
   python experiments/speculate.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
-      --workdir=/tmp/spec --prompt="What is 12 times 7?"
+      --workdir=out/spec --prompt="What is 12 times 7?"
 
 Reads `config.speculate` (dataset, sampling, chain or tree) and `config.draft` (a training workdir, or
 `random` for an untrained draft reading `config.layers` or EAGLE-3's default layers: a smoke run, τ ≈ 1).
