@@ -61,3 +61,16 @@ class Checkpointer:
 def abstract_like(tree: Any) -> Any:
   """Shapes, dtypes and shardings of a pytree of arrays (a restore target)."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def checkpoint_dir(path: str) -> str:
+  """A training workdir's `checkpoints/` directory (or `path` itself if it is one).
+
+  Raises:
+    FileNotFoundError: `path` is neither.
+  """
+  directory = os.path.join(path, "checkpoints") if os.path.isdir(
+      os.path.join(path, "checkpoints")) else path
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No draft at {path}: expected a training workdir with checkpoints/.")
+  return directory

@@ -251,11 +251,7 @@ def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step
   from layerwave import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from layerwave.inference import load_target  # pylint: disable=g-import-not-at-top
   from layerwave.training import loop  # pylint: disable=g-import-not-at-top
-  directory = os.path.join(workdir, "checkpoints") if os.path.isdir(
-      os.path.join(workdir, "checkpoints")) else workdir
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No draft at {workdir}: expected a training workdir with checkpoints/.")
-  ckpt = ckpt_lib.Checkpointer(directory)
+  ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(workdir))
   try:
     meta = ckpt.read_meta(step)
   finally:

@@ -297,11 +297,7 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
       raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "
                        "to training workdirs.")
     return export_lib.load_eagle3(path, target)
-  directory = os.path.join(path, "checkpoints") if os.path.isdir(
-      os.path.join(path, "checkpoints")) else path
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No draft at {path}: expected a training workdir with checkpoints/.")
-  ckpt = ckpt_lib.Checkpointer(directory)
+  ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(path))
   try:
     meta = ckpt.read_meta(step)
     dcfg = DraftConfig.from_dict(meta["draft_config"])
