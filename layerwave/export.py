@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -48,6 +46,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from layerwave import atomic
 from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import Target, parse_dtype
@@ -216,26 +215,10 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
   tensors = draft_tensors(draft, include_embedding)
   on_disk = _DISK_DTYPES[dtype]
   tensors = {k: (v.astype(on_disk) if v.dtype == np.float32 else v) for k, v in tensors.items()}
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-eagle3-", dir=parent)
-  try:
+  with atomic.atomic_directory(out_dir, prefix=".tmp-eagle3-") as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(eagle3_config(draft, selection, dtype), f, indent=2)
     save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-    # mkdtemp makes a private (0700) directory: open it up like any model directory for servers.
-    os.chmod(tmp, 0o755)
-    for name in os.listdir(tmp):
-      os.chmod(os.path.join(tmp, name), 0o644)
-    if os.path.lexists(out_dir):  # overwrite: the new directory is complete before the old one goes
-      if os.path.isdir(out_dir) and not os.path.islink(out_dir):
-        shutil.rmtree(out_dir)
-      else:
-        os.remove(out_dir)
-    os.replace(tmp, out_dir)
-  finally:
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp, ignore_errors=True)
   return out_dir
 
 

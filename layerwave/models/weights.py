@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Mapping
 
 import jax
@@ -21,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layerwave import atomic
 from layerwave.models.config import ModelConfig
 from layerwave.models.target import Transformer
 
@@ -221,20 +220,11 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
       "torch_dtype": "float32",
       "layerwave_source": {"gguf": os.path.basename(gguf_path), "converter": CONVERTER_VERSION},
   }
-  parent = os.path.dirname(os.path.abspath(out_dir))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".tmp-convert-", dir=parent)
-  try:
+  with atomic.atomic_directory(out_dir, prefix=".tmp-convert-") as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     _write_gguf_tokenizer(reader, tmp, config)
-    if os.path.exists(out_dir):
-      shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-  finally:
-    if os.path.exists(tmp):
-      shutil.rmtree(tmp, ignore_errors=True)
   return out_dir
 
 
