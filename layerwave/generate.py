@@ -105,7 +105,7 @@ def logits_fn(graphdef, params):
 
 def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, return_stats: bool = False):
+             ignore_eos: bool = False, return_stats: bool = False, prompt_width: int = 0):
   """Decodes new tokens for a batch of prompts.
 
   Args:
@@ -118,6 +118,8 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
     seed: PRNG seed for sampling.
     ignore_eos: decode exactly `max_new_tokens` per row (benchmarks).
     return_stats: also return `{'steps': decode steps run}`.
+    prompt_width: pad prompts to at least this many tokens (one compilation for batches of any width
+      up to it).
 
   Returns:
     One list of new tokens per prompt, each cut after its first EOS token (included).
@@ -126,7 +128,8 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
   config = target.config
-  tokens, lengths, n = pad_prompts(prompt_ids, config.vocab_size, sharding.data_size(target.mesh))
+  tokens, lengths, n = pad_prompts(prompt_ids, config.vocab_size, sharding.data_size(target.mesh),
+                                   min_width=prompt_width)
   check_lengths(lengths, max_new_tokens, config)
   slots = cache_slots(tokens.shape[1], max_new_tokens)
   batch = sharding.batch_sharding(target.mesh)

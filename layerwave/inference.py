@@ -189,8 +189,10 @@ def new_cache(config: ModelConfig, batch: int, slots: int, dtype, mesh: Mesh) ->
 
 
 def pad_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int, multiple: int,
-                bucket: int = 16) -> tuple[np.ndarray, np.ndarray, int]:
-  """Right-pads prompts into `[B', P]` (B' rounded up to `multiple`, P to `bucket`).
+                bucket: int = 16, min_width: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+  """Right-pads prompts into `[B', P]` (B' rounded up to `multiple`, P to `bucket`, at least `min_width`).
+
+  A fixed `min_width` (≥ every prompt) gives every batch the same shape, hence one compilation.
 
   Returns:
     (tokens, lengths, real batch size). Padding rows repeat the first prompt and are dropped later.
@@ -204,7 +206,7 @@ def pad_prompts(prompt_ids: Sequence[Sequence[int]], vocab_size: int, multiple: 
       raise ValueError(f"Prompt {i} is empty: every prompt needs at least one token.")
   n = len(prompt_ids)
   rows = list(prompt_ids) + [prompt_ids[0]] * (-n % multiple)
-  width = -(-max(len(p) for p in rows) // bucket) * bucket
+  width = -(-max(max(len(p) for p in rows), int(min_width)) // bucket) * bucket
   tokens = np.zeros((len(rows), width), np.int32)
   for i, p in enumerate(rows):
     tokens[i, :len(p)] = p

@@ -298,7 +298,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
 
 def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, **draft_options):
+             ignore_eos: bool = False, prompt_width: int = 0, **draft_options):
   """Speculative decoding of a batch of prompts; same output as `layerwave.generate`.
 
   Args:
@@ -311,6 +311,8 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
     top_p: nucleus sampling mass in (0, 1] (1 = off).
     seed: PRNG seed.
     ignore_eos: decode exactly `max_new_tokens` per row (benchmarks).
+    prompt_width: pad prompts to at least this many tokens (one compilation for batches of any width
+      up to it).
     **draft_options: `SpecOptions` fields: method ("chain" | "tree"), num_draft_tokens, tree_depth,
       tree_top_k, tree_tokens, draft_sample.
 
@@ -333,7 +335,8 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
   loaded.config.check_target(config)
   if options.method == "tree":
     options.budget.check_vocab(loaded.config.draft_vocab_size)
-  tokens, lengths, n = pad_prompts(prompt_ids, config.vocab_size, sharding.data_size(target.mesh))
+  tokens, lengths, n = pad_prompts(prompt_ids, config.vocab_size, sharding.data_size(target.mesh),
+                                   min_width=prompt_width)
   check_lengths(lengths, max_new_tokens, config)
   slots = cache_slots(tokens.shape[1], int(max_new_tokens) + options.scratch_slots)
   eos_ids = () if ignore_eos else target.eos_token_ids
