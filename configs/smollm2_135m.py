@@ -3,7 +3,10 @@
   python experiments/analyze.py     --config=configs/smollm2_135m.py --workdir=W
   python experiments/train_draft.py --config=configs/smollm2_135m.py --workdir=W --config.layers=2,15,27
   python experiments/speculate.py   --config=configs/smollm2_135m.py --workdir=W --config.draft=W
-  (append `:smoke` to the config path for a seconds-to-a-minute CPU run)
+  python experiments/compare_layers.py --config=configs/smollm2_135m.py:compare --workdir=W \
+      --config.compare.analysis=ANALYSIS_W
+  (append `:smoke` to the config path for a seconds-to-a-minute CPU run; `:demo` is the README's main job:
+  analysis, two short drafts, speculative decoding and the comparison in ~15 minutes on 2 CPU cores)
 
 Each stage reads only its own section (`analysis`, `train` + `draft_model`, `speculate`) plus the shared
 fields at the top. Layer ids use the HF hidden-state convention (README): index 0 = embeddings, i = output
@@ -109,6 +112,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.speculate.draft_sample = False  # chain: sample drafts from q (T > 0) instead of argmax
   c.speculate.compare_ar = True  # also run layerwave.generate on the same prompts: speedup, equality
 
+  # -- layer-set comparison (experiments/compare_layers.py, layerwave.compare) --------------------
+  # Every cell = one layer set x one seed, trained with `train` / `draft_model` / `data` (the same budget
+  # for all) and evaluated with `speculate` (method, K, batch size, top-k/p) on held-out prompts.
+  c.compare = ml_collections.ConfigDict()
+  c.compare.analysis = ""  # analysis workdir (layer_stats.json); empty = run the analysis into W/analysis
+  c.compare.sets = "eagle3,entropy,greedy,exhaustive,compartment,nofilter,entropy_only,cka_only"
+  c.compare.baseline = "eagle3"  # Δτ is paired against this set
+  c.compare.ablation_strategy = "exhaustive"  # the strategy nofilter / entropy_only / lams re-run
+  c.compare.lams = "0.25,4"  # λ sweep of the ablation strategy
+  c.compare.num_random = 3  # random k-sets (seeds random_seed, random_seed + 1, ...)
+  c.compare.random_seed = 1
+  c.compare.manual = ""  # explicit sets, e.g. "1,2,3;27,28,29"
+  c.compare.seeds = 3  # training seeds 0..seeds-1 per set (init and data order)
+  c.compare.datasets = "mtbench,humaneval,gsm8k"  # held-out prompts (first turns)
+  c.compare.num_prompts = 8  # per dataset
+  c.compare.max_prompt_tokens = 256  # prompts longer than this are skipped
+  c.compare.temperatures = "0,1"  # the first is the primary metric
+  c.compare.max_new_tokens = 64
+  c.compare.speedup = False  # also time layerwave.generate (once) and each draft: speedup columns
+  c.compare.keep_checkpoints = True  # False: delete each cell's checkpoints once its result is written
+  c.compare.report_only = False  # only tabulate the finished cells (a partial or running comparison)
+
   if arg == "smoke":
     c.data.max_length = 128
     c.data.max_records = 200
@@ -130,6 +155,46 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.speculate.num_prompts = 2
     c.speculate.batch_size = 2
     c.speculate.max_new_tokens = 32
+    c.speculate.num_draft_tokens = 3
+    c.compare.sets = "eagle3,exhaustive"
+    c.compare.lams = ""
+    c.compare.num_random = 0
+    c.compare.seeds = 1
+    c.compare.datasets = "mtbench"
+    c.compare.num_prompts = 2
+    c.compare.temperatures = "0"
+    c.compare.max_new_tokens = 16
+    c.compare.speedup = True
+  elif arg in ("compare", "demo"):
+    # Short drafts for comparisons on a CPU: every cell trains num_steps x 8 x 256 tokens with V_d 2,048
+    # and K = 3 TTT steps, and drafts K = 3 tokens per verification.
+    c.data.max_length = 256
+    c.data.max_records = 4000
+    c.draft_model.vocab_size = 2048
+    c.train.num_steps = 30
+    c.train.lr = 1e-3
+    c.train.warmup_steps = 5
+    c.train.ttt_steps = 3
+    c.train.vocab_examples = 2000
+    c.train.log_every = 5
+    c.train.eval_every = 1000
+    c.train.eval_batches = 4
+    c.train.checkpoint_every = 1000
+    c.speculate.num_draft_tokens = 3
+    if arg == "demo":
+      # The README's main job: analysis on ~16k tokens, then the selected (exhaustive) and the EAGLE-3
+      # layers, one draft each, compared on 8 MT-bench prompts with speedup against plain decoding.
+      c.analysis.max_tokens = 16_000
+      c.analysis.calibration_batches = 2
+      c.analysis.log_every = 5
+      c.train.num_steps = 60
+      c.compare.sets = "eagle3,exhaustive"
+      c.compare.lams = ""
+      c.compare.num_random = 0
+      c.compare.seeds = 1
+      c.compare.datasets = "mtbench"
+      c.compare.temperatures = "0"
+      c.compare.speedup = True
   elif arg == "cpu":
     # The draft this repository reports (BENCHMARKS.md): what a 2-core CPU trains in ~45 minutes.
     # V_d is cut to 8,192 because the draft's LM head dominates the step's cost on a CPU.
@@ -143,5 +208,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.checkpoint_every = 25
   elif arg:
-    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu' or nothing.")
+    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo' or "
+                     "nothing.")
   return c

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 __all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
-           "plot_all"]
+           "plot_all", "plot_comparison"]
 
 
 def save_figure(fig, path: str) -> str:
@@ -164,3 +164,53 @@ def plot_all(folder: str, record: Mapping, selections: Mapping[str, Sequence[int
     paths.append(plot_cka(os.path.join(folder, f"cka_{kind}.png"), matrix, blocks,
                           f"{cka_name} linear CKA, {kind} tokens (red: compartments)"))
   return paths
+
+
+def plot_comparison(path: str, summary: Mapping) -> str:
+  """The layer-set comparison (`layerwave.compare.summarize` output): τ per set, objective vs τ, acceptance.
+
+  Left: primary τ (mean ± 95 % CI over seeds) per set, baseline dashed. Middle: selection objective against τ
+  (one point per set, Spearman ρ in the title). Right: per-depth acceptance of every set.
+  """
+  primary = summary["primary"]
+  rows = sorted(summary["rows"], key=lambda r: np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
+  names = [r["name"] for r in rows]
+  means = np.array([r["metrics"][primary]["mean"] for r in rows], np.float64)
+  errs = np.nan_to_num(np.array([r["metrics"][primary]["ci95"] for r in rows], np.float64))
+  kinds = {"baseline": "C3", "strategy": "C0", "ablation": "C2", "random": "0.6", "manual": "C4"}
+  colors = [kinds.get(r["kind"], "C1") for r in rows]
+  fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 0.9 + 0.32 * max(len(rows), 6)),
+                                         gridspec_kw={"width_ratios": [1.3, 1, 1]})
+  y = np.arange(len(rows))
+  left.barh(y, means, xerr=errs, color=colors, capsize=3)
+  left.set_yticks(y)
+  left.set_yticklabels([f"{n} {r['ids']}" for n, r in zip(names, rows)], fontsize=8)
+  base = next((r for r in rows if r["name"] == summary["baseline"]), None)
+  if base is not None and np.isfinite(base["metrics"][primary]["mean"]):
+    left.axvline(base["metrics"][primary]["mean"], color="C3", ls="--", lw=1)
+  finite = means[np.isfinite(means)]
+  if finite.size:
+    left.set_xlim(max(0.0, finite.min() - 2 * errs.max() - 0.05), finite.max() + 2 * errs.max() + 0.05)
+  left.set_xlabel(f"τ ({primary}), mean ± 95% CI")
+  left.grid(axis="x", alpha=0.3)
+  objective = np.array([r["objective"] for r in rows])
+  mid.errorbar(objective, means, yerr=errs, fmt="none", ecolor="0.7", zorder=1)
+  mid.scatter(objective, means, c=colors, zorder=2)
+  for x, m, n in zip(objective, means, names):
+    mid.annotate(n, (x, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
+  corr = summary["spearman_objective"].get(primary, {})
+  mid.set_title(f"Spearman ρ = {corr.get('rho', float('nan')):+.2f} (p = {corr.get('p', float('nan')):.2g})",
+                fontsize=9)
+  mid.set_xlabel("selection objective Σ Ê − λ Σ C")
+  mid.set_ylabel(f"τ ({primary})")
+  mid.grid(alpha=0.3)
+  for r, c in zip(rows, colors):
+    if r["acceptance"]:
+      right.plot(np.arange(1, len(r["acceptance"]) + 1), r["acceptance"], "o-", color=c, ms=3, lw=1,
+                 alpha=1.0 if r["kind"] in ("baseline", "strategy") else 0.5)
+  right.set_xlabel("draft depth")
+  right.set_ylabel("acceptance rate (given the path so far)")
+  right.set_title("per-depth acceptance (red: baseline, blue: strategies, green: ablations)", fontsize=9)
+  right.grid(alpha=0.3)
+  fig.tight_layout()
+  return save_figure(fig, path)

@@ -1,0 +1,601 @@
+"""The paper's experiment: drafts trained on different layer sets, compared by acceptance length τ.
+
+Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last two stages many times.
+`run(config, workdir)`:
+
+1. statistics: `config.compare.analysis` (an analysis workdir), or the analysis stage run into `W/analysis`;
+2. layer sets (`layer_sets`): the `eagle3` baseline, selection strategies, ablations (`nofilter`: the
+   ablation strategy on the statistics without the token filter; `entropy_only`: λ = 0; `cka_only`: the k
+   least similar layers, entropy ignored; a λ sweep), N random sets and manual sets, each with the selection
+   objective Σ Ê − λ Σ C it reaches on the filtered statistics. Sets with the same ids share their cells;
+3. cells, one per (layer set, seed): a draft trained with the same budget (`config.train`,
+   `config.draft_model`, `config.data`) and seed, then speculative decoding on held-out MT-bench, HumanEval
+   and GSM8K prompts at each temperature (τ per dataset, per-depth acceptance; with `compare.speedup`, the
+   speedup against `layerwave.generate` on the same prompts). Each cell writes `W/cells/<ids>/seed<s>/
+   result.json` when done; a rerun skips finished cells and resumes an interrupted training from its
+   checkpoint. A workdir written under a different config is refused;
+4. the table (`summarize`): mean ± 95 % CI over seeds per set, the paired difference against the baseline,
+   and the Spearman correlation between the selection objective and τ across sets → `W/results.json`,
+   `W/results.md`, `W/plots/compare.png`.
+
+`experiments/compare_layers.py` is the launcher; the README's main job runs it with the `:demo` config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+from absl import logging
+from scipy import stats as scipy_stats
+
+from layerwave import selection as selection_lib
+from layerwave.analysis import report
+
+__all__ = ["LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
+
+# Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
+SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
+# Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
+_GROWABLE = ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only")
+_RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSet:
+  """One entry of the comparison.
+
+  Attributes:
+    name: its label ("eagle3", "exhaustive", "nofilter", "lam=0.25", "random-1", "manual-0", ...).
+    ids: target layer ids, HF hidden-state convention (sorted).
+    kind: "baseline", "strategy", "ablation", "random" or "manual".
+    objective: Σ Ê − λ Σ C of `ids` on the filtered statistics (the analysis' λ and candidates).
+    description: how the set was chosen.
+  """
+
+  name: str
+  ids: tuple[int, ...]
+  kind: str
+  objective: float
+  description: str
+
+  @property
+  def key(self) -> str:
+    """Directory name of the set's cells: layer sets with equal ids share them."""
+    return "L" + "-".join(str(i) for i in self.ids)
+
+
+def _split(text: Any) -> list[str]:
+  return [s.strip() for s in str(text or "").split(",") if s.strip()]
+
+
+def _floats(text: Any, field: str) -> list[float]:
+  try:
+    return [float(s) for s in _split(text)]
+  except ValueError as e:
+    raise ValueError(f"compare.{field} must be comma-separated numbers like '0.25,4', got {text!r}.") from e
+
+
+def _stat_arrays(record: dict, which: str) -> tuple[np.ndarray, np.ndarray]:
+  """(E [L+1], C [L+1, L+1]) of `record[which]` ("filtered" / "unfiltered") as the selection reads them."""
+  stats = record.get(which)
+  if not stats:
+    raise ValueError(f"layer_stats.json has no {which!r} statistics; for the 'nofilter' ablation run the "
+                     "analysis with analysis.unfiltered='matched' (the default).")
+  inputs = record["selection_inputs"]
+  e_name = f"{inputs['granularity']}_entropy" + ("_normalized" if inputs["normalized_entropy"] else "")
+  c_name = "cka_exact" if inputs["cka"] == "exact" else "cka_minibatch"
+  return np.asarray(stats[e_name], np.float64), np.asarray(stats[c_name], np.float64)
+
+
+def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSet]:
+  """The layer sets `compare` names, selected from an analysis record (`layer_stats.json` content).
+
+  Selections use the analysis' own settings (k, λ, min_gap, candidates, compartments, seed), so the
+  strategies here are those of the analysis' `selection.json`.
+
+  Raises:
+    ValueError: an unknown item, an invalid manual set, no baseline among the sets, bad numbers.
+  """
+  opts = record["settings"]["selection"]
+  num_layers = int(record["model"]["num_layers"])
+  hidden = int(record["model"]["hidden_size"])
+  k, lam, min_gap, seed = int(opts["k"]), float(opts["lam"]), int(opts["min_gap"]), int(opts["seed"])
+  candidates = selection_lib.default_candidates(num_layers, opts["include_embeddings"],
+                                                opts["include_final"])
+  blocks = [tuple(b) for b in record["compartments"]["blocks"]]
+  blocks = blocks if len(blocks) >= k else None
+  e, c = _stat_arrays(record, "filtered")
+  e_hat = selection_lib.normalize_informativeness(e, candidates)
+  ablation = str(compare.ablation_strategy)
+  if ablation not in ("greedy", "exhaustive"):
+    raise ValueError(f"compare.ablation_strategy must be 'greedy' or 'exhaustive', got {ablation!r}.")
+
+  def select(strategy, entropy=e, cka=c, lam_=lam, seed_=seed):
+    return selection_lib.select_layers(
+        strategy, entropy, cka, k=k, lam=lam_, min_gap=min_gap, candidates=candidates, seed=seed_,
+        compartments=blocks if strategy == "compartment" else None, num_layers=num_layers,
+        hidden_size=hidden).ids
+
+  out: list[LayerSet] = []
+
+  def add(name, ids, kind, description):
+    ids = tuple(sorted(int(i) for i in ids))
+    objective = float(selection_lib.subset_objective(np.array([ids]), e_hat, c, lam)[0])
+    out.append(LayerSet(name, ids, kind, objective, description))
+
+  baseline = str(compare.baseline)
+  for item in _split(compare.sets):
+    if item in selection_lib.STRATEGIES:
+      kind = "baseline" if item == baseline else ("random" if item == "random" else "strategy")
+      add(item, select(item), kind, f"{item} strategy on the filtered statistics (λ={lam:g})")
+    elif item == "nofilter":
+      e_u, c_u = _stat_arrays(record, "unfiltered")
+      add(item, select(ablation, e_u, c_u), "ablation",
+          f"{ablation} on the statistics without the token filter")
+    elif item == "entropy_only":
+      add(item, select(ablation, lam_=0.0), "ablation", f"{ablation} with λ = 0 (entropy only)")
+    elif item == "cka_only":
+      zeros = np.zeros_like(e)
+      ids = selection_lib._exhaustive(np.asarray(candidates), k, zeros, c, 1.0, min_gap)  # pylint: disable=protected-access
+      add(item, ids, "ablation", "the k least similar layers (Σ C minimal), entropy ignored")
+    else:
+      raise ValueError(f"compare.sets names {item!r}, which is neither a strategy "
+                       f"({', '.join(selection_lib.STRATEGIES)}) nor an ablation ({', '.join(SET_ITEMS)}); "
+                       "use compare.lams for a λ sweep, compare.num_random for random sets and "
+                       "compare.manual for explicit ids.")
+  for value in _floats(compare.lams, "lams"):
+    if value < 0:
+      raise ValueError(f"compare.lams holds {value}; λ must be >= 0.")
+    add(f"lam={value:g}", select(ablation, lam_=value), "ablation", f"{ablation} with λ = {value:g}")
+  num_random = int(compare.num_random)
+  if num_random < 0:
+    raise ValueError(f"compare.num_random must be >= 0, got {num_random}.")
+  for i in range(num_random):
+    s = int(compare.random_seed) + i
+    add(f"random-{i}", select("random", seed_=s), "random", f"k random candidates (seed {s})")
+  for i, text in enumerate(s for s in str(compare.manual or "").split(";") if s.strip()):
+    try:
+      ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError as err:
+      raise ValueError(f"compare.manual must be ';'-separated id lists like '2,15,27;5,18,29', got "
+                       f"{compare.manual!r}.") from err
+    try:
+      selection_lib.LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden,
+                                   strategy="manual").validate_for(num_layers, hidden)
+    except ValueError as err:
+      raise ValueError(f"compare.manual set {text!r} is not a valid layer set for this target "
+                       f"(L={num_layers}, ids 0..{num_layers}, distinct): {err}") from err
+    add(f"manual-{i}", ids, "manual", "given ids")
+  if not out:
+    raise ValueError("compare.sets, lams, num_random and manual name no layer set.")
+  names = [s.name for s in out]
+  duplicates = sorted({n for n in names if names.count(n) > 1})
+  if duplicates:
+    raise ValueError(f"compare names {duplicates} more than once.")
+  if baseline not in names:
+    raise ValueError(f"compare.baseline={baseline!r} is not among the sets {names}; add it to compare.sets.")
+  return out
+
+
+# -- config, fingerprint and resumption --------------------------------------------------------------
+
+
+def fingerprint(config) -> tuple[str, dict]:
+  """Hash of every setting that fixes what a cell computes (set lists, seeds and run lengths excluded)."""
+  d = json.loads(config.to_json_best_effort())
+  for key in _GROWABLE:
+    d.get("compare", {}).pop(key, None)
+  for key in _RUN_LENGTH:
+    d.get("train", {}).pop(key, None)
+  for key in ("draft", "layers", "selection", "seed"):
+    d.pop(key, None)
+  text = json.dumps(d, sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16], d
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
+
+
+def check_workdir(workdir: str, config) -> None:
+  """Records the config in `W/compare.json`, or refuses a workdir written under a different one."""
+  value, d = fingerprint(config)
+  path = os.path.join(workdir, "compare.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old.get("fingerprint") != value:
+      a, b = _flat(old.get("settings", {})), _flat(d)
+      diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+      raise ValueError(f"{workdir} holds comparison results of a different config (fingerprint "
+                       f"{old.get('fingerprint')} vs {value}; differing fields: {', '.join(diff[:8])}"
+                       f"{' ...' if len(diff) > 8 else ''}). Resume with the same config or use a new "
+                       "--workdir.")
+    return
+  report.write_json(path, {"fingerprint": value, "settings": d})
+
+
+def seeds_of(compare) -> list[int]:
+  n = int(compare.seeds)
+  if n < 1:
+    raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {n}.")
+  return list(range(n))
+
+
+def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.ConfigDict:
+  """The training config of one cell: the shared budget, this set's ids and this seed."""
+  d = config.to_dict()
+  d.pop("compare", None)  # a cell's training must not depend on which other cells exist
+  cell = ml_collections.ConfigDict(d)
+  cell.layers = ",".join(str(i) for i in ids)
+  cell.selection.path = ""
+  cell.selection.strategy = ""
+  cell.seed = int(seed)
+  cell.train.stop_after = 0
+  return cell
+
+
+# -- evaluation --------------------------------------------------------------------------------------
+
+
+def eval_prompts(compare, tokenizer) -> dict[str, list[list[int]]]:
+  """Held-out chat prompts per dataset: the first `num_prompts` first turns of ≤ max_prompt_tokens."""
+  from layerwave.data import chat  # pylint: disable=g-import-not-at-top
+  from layerwave.data import sources  # pylint: disable=g-import-not-at-top
+  out = {}
+  for name in _split(compare.datasets):
+    if name not in ("mtbench", "humaneval", "gsm8k"):
+      raise ValueError(f"compare.datasets names {name!r}; held-out prompt sets are mtbench, humaneval, gsm8k.")
+    prompts = []
+    for record in sources.get_source(name):
+      ids = chat.encode_prompt(tokenizer, record.messages[:1]).tolist()
+      if len(ids) <= int(compare.max_prompt_tokens):
+        prompts.append(ids)
+      if len(prompts) == int(compare.num_prompts):
+        break
+    if len(prompts) < int(compare.num_prompts):
+      raise ValueError(f"{name} has only {len(prompts)} prompts of <= {compare.max_prompt_tokens} tokens; "
+                       "raise compare.max_prompt_tokens or lower compare.num_prompts.")
+    out[name] = prompts
+  if not out:
+    raise ValueError("compare.datasets is empty; name at least one of mtbench, humaneval, gsm8k.")
+  return out
+
+
+def temperatures_of(compare) -> list[float]:
+  temps = _floats(compare.temperatures, "temperatures")
+  if not temps or any(t < 0 for t in temps):
+    raise ValueError(f"compare.temperatures must list temperatures >= 0, got {compare.temperatures!r}.")
+  return temps
+
+
+def _batches(prompts, size):
+  return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+
+def _decode(fn, prompts, batch_size, timed: bool):
+  """Runs `fn` over the prompt batches; returns (outputs, summed histogram or None, decode seconds)."""
+  batches = _batches(prompts, batch_size)
+  if timed:
+    fn(batches[0])  # compile outside the clock
+  outs, hist, seconds = [], None, 0.0
+  for b in batches:
+    start = time.perf_counter()
+    out, m = fn(b)
+    seconds += time.perf_counter() - start
+    outs.extend(out)
+    if "accept_length_hist" in m:
+      h = np.asarray(m["accept_length_hist"], np.int64)
+      hist = h if hist is None else hist + h
+  return outs, hist, seconds
+
+
+def _spec_kwargs(config, width: int) -> dict[str, Any]:
+  s = config.speculate
+  return dict(max_new_tokens=int(config.compare.max_new_tokens), top_k=int(s.top_k), top_p=float(s.top_p),
+              prompt_width=width, method=s.method, num_draft_tokens=int(s.num_draft_tokens),
+              tree_depth=int(s.tree_depth), tree_top_k=int(s.tree_top_k), tree_tokens=int(s.tree_tokens),
+              draft_sample=bool(s.draft_sample))
+
+
+def _temp_key(t: float) -> str:
+  return f"T{t:g}"
+
+
+def ar_reference(target, prompts, config, width: int, workdir: str) -> dict[str, Any]:
+  """`layerwave.generate` on the same prompts (speed and greedy outputs), computed once per workdir."""
+  import layerwave  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, "ar_reference.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  kw = _spec_kwargs(config, width)
+  out = {}
+  for t in temperatures_of(config.compare):
+    for name, ps in prompts.items():
+      fn = lambda ids, t=t: layerwave.generate(  # noqa: E731
+          target, ids, kw["max_new_tokens"], temperature=t, top_k=kw["top_k"], top_p=kw["top_p"],
+          seed=0, prompt_width=width, return_stats=True)
+      outs, _, seconds = _decode(fn, ps, int(config.speculate.batch_size), timed=True)
+      tokens = sum(len(o) for o in outs)
+      out[f"{_temp_key(t)}/{name}"] = {"seconds": seconds, "new_tokens": tokens,
+                                       "tokens_per_s": tokens / seconds, "outputs": outs}
+  report.write_json(path, out)
+  return out
+
+
+def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
+                   ar: dict[str, Any] | None = None) -> dict[str, Any]:
+  """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`."""
+  import layerwave  # pylint: disable=g-import-not-at-top
+  from layerwave.speculative import decode  # pylint: disable=g-import-not-at-top
+  kw = _spec_kwargs(config, width)
+  result = {}
+  for t in temperatures_of(config.compare):
+    pooled, pooled_tokens, pooled_seconds = None, 0, 0.0
+    for name, ps in prompts.items():
+      fn = lambda ids, t=t: layerwave.speculative.generate(  # noqa: E731
+          target, draft, ids, temperature=t, seed=seed, **kw)
+      outs, hist, seconds = _decode(fn, ps, int(config.speculate.batch_size), timed=ar is not None)
+      m = decode.acceptance_metrics(hist[None])
+      tokens = sum(len(o) for o in outs)
+      row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
+             "new_tokens": tokens, "accept_length_hist": hist.tolist()}
+      key = f"{_temp_key(t)}/{name}"
+      if ar is not None:
+        ref = ar[key]
+        row.update(tokens_per_s=tokens / seconds, speedup=(tokens / seconds) / ref["tokens_per_s"])
+        if t == 0:
+          row["equal_to_ar"] = float(np.mean([a == b for a, b in zip(outs, ref["outputs"])]))
+        pooled_seconds += seconds
+      result[key] = row
+      pooled = hist if pooled is None else pooled + hist
+      pooled_tokens += tokens
+    m = decode.acceptance_metrics(pooled[None])
+    row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
+           "new_tokens": pooled_tokens}
+    if ar is not None:
+      ar_tokens = sum(ar[f"{_temp_key(t)}/{n}"]["new_tokens"] for n in prompts)
+      ar_seconds = sum(ar[f"{_temp_key(t)}/{n}"]["seconds"] for n in prompts)
+      row["speedup"] = (pooled_tokens / pooled_seconds) / (ar_tokens / ar_seconds)
+    result[f"{_temp_key(t)}/all"] = row
+  return result
+
+
+# -- the run -------------------------------------------------------------------------------------------
+
+
+def _analysis_record(config, workdir: str) -> tuple[dict, str]:
+  """layer_stats.json of `compare.analysis`, or of the analysis stage run (once) into W/analysis."""
+  path = config.compare.analysis
+  if not path:
+    path = os.path.join(workdir, "analysis")
+    if not os.path.exists(os.path.join(path, "layer_stats.json")):
+      from layerwave.analysis import analyze  # pylint: disable=g-import-not-at-top
+      logging.info("Stage 1/3: analysis (entropy and CKA of every layer) into %s", path)
+      analyze.run(config, path)
+  stats_path = path if path.endswith(".json") else os.path.join(path, "layer_stats.json")
+  if not os.path.exists(stats_path):
+    raise FileNotFoundError(f"compare.analysis={config.compare.analysis!r}: {stats_path} does not exist; run "
+                            "experiments/analyze.py first or leave compare.analysis empty to run it here.")
+  with open(stats_path) as f:
+    record = json.load(f)
+  if record["model"]["name"] != config.model:
+    raise ValueError(f"{stats_path} was computed for {record['model']['name']!r}, not config.model="
+                     f"{config.model!r}.")
+  return record, stats_path
+
+
+def _cell_dir(workdir: str, layer_set: LayerSet, seed: int) -> str:
+  return os.path.join(workdir, "cells", layer_set.key, f"seed{seed}")
+
+
+def run(config, workdir: str) -> dict[str, Any]:
+  """Runs (or resumes) the comparison in `workdir`; returns the summary (also written as JSON/markdown)."""
+  import layerwave  # pylint: disable=g-import-not-at-top
+  from layerwave import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from layerwave import plots  # pylint: disable=g-import-not-at-top
+  from layerwave.training import loop  # pylint: disable=g-import-not-at-top
+  if not workdir:
+    raise ValueError("compare needs --workdir: the folder for cells/, results.md and plots/.")
+  cmp = config.compare
+  seeds = seeds_of(cmp)
+  temperatures_of(cmp)
+  os.makedirs(workdir, exist_ok=True)
+  check_workdir(workdir, config)
+  metrics_lib.quiet_library_logs()
+  record, stats_path = _analysis_record(config, workdir)
+  sets = layer_sets(record, cmp)
+  unique = {}
+  for s in sets:
+    unique.setdefault(s.key, s)
+  logging.info("Layer sets (%d, %d distinct):\n%s", len(sets), len(unique),
+               "\n".join(f"  {s.name:14s} {list(s.ids)}  objective {s.objective:+.3f}  ({s.description})"
+                         for s in sets))
+  target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
+  prompts = eval_prompts(cmp, target.tokenizer)
+  width = max(len(p) for ps in prompts.values() for p in ps)
+  ar = (ar_reference(target, prompts, config, width, workdir)
+        if cmp.speedup and not cmp.report_only else None)
+  # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
+  cells = [(s, seed) for seed in seeds for s in unique.values()]
+  results: dict[tuple[str, int], dict] = {}
+  started, done_here = time.perf_counter(), 0
+  for i, (s, seed) in enumerate(cells):
+    cell_dir = _cell_dir(workdir, s, seed)
+    path = os.path.join(cell_dir, "result.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        results[(s.key, seed)] = json.load(f)
+      continue
+    if cmp.report_only:
+      continue
+    remaining = len(cells) - i
+    eta = ((time.perf_counter() - started) / done_here * remaining) if done_here else float("nan")
+    logging.info("Cell %d/%d: %s %s seed %d — training (ETA of the comparison %.0f min)", i + 1, len(cells),
+                 s.name, list(s.ids), seed, eta / 60)
+    tic = time.perf_counter()
+    train = loop.run(_cell_config(config, s.ids, seed), cell_dir)
+    train_seconds = time.perf_counter() - tic
+    logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
+                 ", ".join(prompts))
+    draft = layerwave.load_draft(cell_dir, target)
+    evaluation = evaluate_draft(target, draft, prompts, config, width, seed, ar)
+    result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
+              "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
+    report.write_json(path, result)
+    if not cmp.keep_checkpoints:
+      shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
+    results[(s.key, seed)] = result
+    done_here += 1
+    t0 = _temp_key(temperatures_of(cmp)[0])
+    logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
+                 seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
+                 time.perf_counter() - tic)
+  summary = summarize(sets, results, seeds, cmp, prompts)
+  summary["analysis"] = stats_path
+  summary["budget"] = budget_of(config)
+  summary["eval_settings"] = {"datasets": list(prompts), "prompts_per_dataset": int(cmp.num_prompts),
+                              "max_new_tokens": int(cmp.max_new_tokens),
+                              "temperatures": temperatures_of(cmp), "method": config.speculate.method,
+                              "num_draft_tokens": int(config.speculate.num_draft_tokens),
+                              "batch_size": int(config.speculate.batch_size)}
+  table = markdown_table(summary)
+  report.write_json(os.path.join(workdir, "results.json"), summary)
+  _write_text(os.path.join(workdir, "results.md"), table + "\n")
+  plot_path = plots.plot_comparison(os.path.join(workdir, "plots", "compare.png"), summary)
+  print(table)
+  print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}")
+  return summary
+
+
+def budget_of(config) -> dict[str, Any]:
+  """The training budget every cell shares."""
+  t, d = config.train, config.draft_model
+  return {"num_steps": int(t.num_steps), "batch_size": int(t.batch_size),
+          "max_length": int(config.data.max_length), "lr": float(t.lr), "ttt_steps": int(t.ttt_steps),
+          "draft_vocab_size": int(d.vocab_size), "draft_layers": int(d.num_layers),
+          "tokens_per_cell": int(t.num_steps) * int(t.batch_size) * int(config.data.max_length)}
+
+
+def _write_text(path: str, text: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+# -- the table -----------------------------------------------------------------------------------------
+
+
+def mean_ci(values: Sequence[float]) -> dict[str, Any]:
+  """Mean and half-width of the 95 % Student-t interval (NaN with one value)."""
+  x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
+  n = x.size
+  if n == 0:
+    return {"mean": float("nan"), "ci95": float("nan"), "n": 0, "values": []}
+  half = (float(scipy_stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"))
+  return {"mean": float(x.mean()), "ci95": half, "n": int(n), "values": x.tolist()}
+
+
+def _metric(result: dict, name: str) -> float | None:
+  if name == "sim_tau":
+    return result["train"].get("heldout_sim_tau")
+  if name.startswith("speedup:"):
+    return result["eval"].get(name.split(":", 1)[1], {}).get("speedup")
+  return result["eval"].get(name, {}).get("tau")
+
+
+def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], seeds: Sequence[int], compare,
+              prompts: dict[str, Any]) -> dict[str, Any]:
+  """Mean ± 95 % CI per set, paired differences against the baseline, Spearman(objective, τ) over sets."""
+  temps = [_temp_key(t) for t in temperatures_of(compare)]
+  names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
+  if compare.speedup:
+    names += [f"speedup:{t}/all" for t in temps]
+  baseline = next(s for s in sets if s.name == compare.baseline)
+  rows = []
+  for s in sets:
+    row = {"name": s.name, "ids": list(s.ids), "kind": s.kind, "objective": s.objective,
+           "description": s.description, "metrics": {}, "vs_baseline": {}}
+    for m in names:
+      vals = {seed: _metric(results[(s.key, seed)], m) for seed in seeds if (s.key, seed) in results}
+      row["metrics"][m] = mean_ci(list(vals.values()))
+      base = {seed: _metric(results[(baseline.key, seed)], m) for seed in seeds
+              if (baseline.key, seed) in results}
+      diffs = [vals[k] - base[k] for k in vals if k in base and vals[k] is not None and base[k] is not None]
+      row["vs_baseline"][m] = mean_ci(diffs)
+    acc = [results[(s.key, seed)]["eval"][f"{temps[0]}/all"]["acceptance"] for seed in seeds
+           if (s.key, seed) in results]
+    row["acceptance"] = np.mean(np.asarray(acc, np.float64), axis=0).tolist() if acc else []
+    rows.append(row)
+  primary = f"{temps[0]}/all"
+  distinct = {}
+  for row in rows:
+    distinct.setdefault(tuple(row["ids"]), row)
+  xs = [r["objective"] for r in distinct.values()]
+  correlations = {}
+  for m in (primary, "sim_tau"):
+    ys = [r["metrics"][m]["mean"] for r in distinct.values()]
+    ok = [(x, y) for x, y in zip(xs, ys) if np.isfinite(y)]
+    if len(ok) >= 3:
+      res = scipy_stats.spearmanr(*zip(*ok))
+      correlations[m] = {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok)}
+    else:
+      correlations[m] = {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok)}
+  return {"baseline": baseline.name, "primary": primary, "seeds": list(seeds), "metrics": names,
+          "rows": rows, "spearman_objective": correlations,
+          "cells_done": len(results)}
+
+
+def _fmt(m: dict, signed: bool = False) -> str:
+  if not m or m.get("n", 0) == 0 or not np.isfinite(m["mean"]):
+    return "–"
+  mean = f"{m['mean']:+.3f}" if signed else f"{m['mean']:.3f}"
+  return mean + (f" ± {m['ci95']:.3f}" if np.isfinite(m["ci95"]) else "")
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+  """The comparison as markdown: one row per set, sorted by the primary τ."""
+  primary = summary["primary"]
+  temps = sorted({m.split("/")[0] for m in summary["metrics"] if "/" in m and ":" not in m})
+  datasets = [m.split("/")[1] for m in summary["metrics"]
+              if m.startswith(primary.split("/")[0] + "/") and not m.endswith("/all")]
+  others = [f"{t}/all" for t in temps if f"{t}/all" != primary]
+  speed = [m for m in summary["metrics"] if m.startswith("speedup:")]
+  head = (["set", "layers", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
+          + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
+          + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
+  for r in rows:
+    is_base = r["name"] == summary["baseline"]
+    cells = [f"**{r['name']}**" if is_base else r["name"], ",".join(map(str, r["ids"])), f"{r['objective']:+.3f}",
+             _fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
+    cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
+    cells += [_fmt(r["metrics"][m]) for m in others]
+    cells += [_fmt(r["metrics"]["sim_tau"])]
+    cells += [_fmt(r["metrics"][m]) for m in speed]
+    lines.append("| " + " | ".join(cells) + " |")
+  corr = summary["spearman_objective"]
+  notes = [f"\nMean ± 95 % CI (Student t) over seeds {summary['seeds']}; Δτ is the paired difference against "
+           f"`{summary['baseline']}` (same seed). τ = new tokens per target verification (bonus token "
+           "included)."]
+  for m, c in corr.items():
+    notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
+                 f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
+  return "\n".join(lines + notes)

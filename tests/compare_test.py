@@ -1,0 +1,212 @@
+"""layerwave.compare: layer sets against brute-force references, statistics, resumption, bad inputs.
+
+The end-to-end test runs experiments/compare_layers.py on the real SmolLM2 (`:smoke` budget) twice (the
+second run must skip every finished cell), grows it by a set, and checks the refusal of a different config.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from layerwave import compare
+from layerwave import selection
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+L = 12
+
+
+def _record(seed=0, unfiltered=True):
+  """A layer_stats.json-like record with a random entropy profile and a random PSD-ish CKA matrix."""
+  rng = np.random.default_rng(seed)
+  e = rng.uniform(1.0, 4.0, L + 1)
+  x = rng.normal(size=(L + 1, 4))
+  c = np.abs(np.corrcoef(x))
+  stats = {"prompt_entropy": e.tolist(), "prompt_entropy_normalized": (e / 5).tolist(),
+           "dataset_entropy": e.tolist(), "dataset_entropy_normalized": (e / 5).tolist(),
+           "cka_minibatch": c.tolist(), "cka_exact": None}
+  e2 = e[::-1].copy()
+  other = dict(stats, prompt_entropy=e2.tolist())
+  return {"model": {"name": "m", "num_layers": L, "hidden_size": 64},
+          "settings": {"selection": {"k": 3, "lam": 1.0, "min_gap": 0, "seed": 0, "include_embeddings": False,
+                                     "include_final": False}},
+          "compartments": {"blocks": [[1, 4], [4, 8], [8, 12]]},
+          "selection_inputs": {"granularity": "prompt", "normalized_entropy": False, "cka": "minibatch"},
+          "filtered": stats, "unfiltered": other if unfiltered else None}
+
+
+def _compare(**overrides):
+  c = ml_collections.ConfigDict({
+      "sets": "eagle3,entropy,greedy,exhaustive,compartment,nofilter,entropy_only,cka_only", "baseline": "eagle3",
+      "ablation_strategy": "exhaustive", "lams": "0,0.5,4", "num_random": 2, "random_seed": 7,
+      "manual": "1,2,3; 9,10,11", "seeds": 3, "speedup": False, "temperatures": "0,1"})
+  c.update(overrides)
+  return c
+
+
+def _brute(e, c, lam):
+  """argmax over all 3-subsets of 1..L-1 of Σ Ê − λ Σ C (Ê min-max normalised over the candidates)."""
+  cands = list(range(1, L))
+  lo, hi = e[cands].min(), e[cands].max()
+  e_hat = (e - lo) / (hi - lo)
+  best = max(itertools.combinations(cands, 3),
+             key=lambda s: e_hat[list(s)].sum() - lam * sum(c[a, b] for a, b in itertools.combinations(s, 2)))
+  return tuple(best), e_hat
+
+
+def test_layer_sets_match_brute_force_references():
+  record = _record()
+  e = np.asarray(record["filtered"]["prompt_entropy"])
+  c = np.asarray(record["filtered"]["cka_minibatch"])
+  sets = {s.name: s for s in compare.layer_sets(record, _compare())}
+  assert sets["eagle3"].ids == selection.eagle3_layer_ids(L) == (2, 6, 9)
+  assert sets["eagle3"].kind == "baseline" and sets["exhaustive"].kind == "strategy"
+  best, e_hat = _brute(e, c, 1.0)
+  assert sets["exhaustive"].ids == best
+  assert sets["entropy"].ids == tuple(sorted(np.argsort(-e[1:L])[:3] + 1))
+  assert sets["entropy_only"].ids == sets["entropy"].ids == sets["lam=0"].ids
+  assert sets["lam=4"].ids == _brute(e, c, 4.0)[0]
+  assert sets["nofilter"].ids == _brute(np.asarray(record["unfiltered"]["prompt_entropy"]), c, 1.0)[0]
+  least = min(itertools.combinations(range(1, L), 3),
+              key=lambda s: sum(c[a, b] for a, b in itertools.combinations(s, 2)))
+  assert sets["cka_only"].ids == tuple(least)
+  assert sets["manual-0"].ids == (1, 2, 3) and sets["manual-1"].ids == (9, 10, 11)
+  for name in ("random-0", "random-1"):
+    assert len(set(sets[name].ids)) == 3 and all(1 <= i < L for i in sets[name].ids)
+  assert sets["random-0"].ids != sets["random-1"].ids
+  for s in sets.values():  # the objective is the filtered statistics' Σ Ê − λ Σ C at the analysis' λ
+    want = e_hat[list(s.ids)].sum() - sum(c[a, b] for a, b in itertools.combinations(s.ids, 2))
+    assert s.objective == pytest.approx(want, abs=1e-12)
+  assert sets["exhaustive"].objective >= max(s.objective for s in sets.values()) - 1e-12
+  assert sets["exhaustive"].key == "L" + "-".join(map(str, best))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sets": "eagle3,bogus"}, "neither a strategy"),
+    ({"manual": "1,2,99"}, "not a valid layer set"),
+    ({"manual": "1,1,2"}, "not a valid layer set"),
+    ({"manual": "a,b"}, "';'-separated id lists"),
+    ({"baseline": "greedy", "sets": "eagle3"}, "compare.baseline='greedy' is not among"),
+    ({"lams": "-1"}, "λ must be >= 0"),
+    ({"lams": "x"}, "comma-separated numbers"),
+    ({"ablation_strategy": "random"}, "ablation_strategy must be"),
+    ({"num_random": -1}, "num_random must be >= 0"),
+])
+def test_layer_sets_bad_inputs(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    compare.layer_sets(_record(), _compare(**overrides))
+
+
+def test_nofilter_needs_unfiltered_statistics():
+  with pytest.raises(ValueError, match="no 'unfiltered' statistics"):
+    compare.layer_sets(_record(unfiltered=False), _compare())
+
+
+def test_mean_ci_is_the_student_t_interval():
+  m = compare.mean_ci([1.0, 2.0, 3.0])
+  # t_{0.975, 2} = 4.302653; sd = 1.
+  assert m["mean"] == pytest.approx(2.0) and m["ci95"] == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)
+  one = compare.mean_ci([1.5])
+  assert one["mean"] == 1.5 and np.isnan(one["ci95"]) and compare.mean_ci([])["n"] == 0
+
+
+def _result(tau0, tau1, sim, acc=(0.5, 0.2)):
+  return {"train": {"heldout_sim_tau": sim},
+          "eval": {"T0/mtbench": {"tau": tau0, "acceptance": list(acc)},
+                   "T0/all": {"tau": tau0, "acceptance": list(acc)},
+                   "T1/mtbench": {"tau": tau1}, "T1/all": {"tau": tau1}}}
+
+
+def test_summarize_paired_differences_and_spearman(tmp_path):
+  cfg = _compare(sets="eagle3,exhaustive,entropy", lams="", num_random=0, manual="1,2,3")
+  sets = compare.layer_sets(_record(), cfg)
+  by_name = {s.name: s for s in sets}
+  # τ rises with the objective: Spearman must be +1 across the distinct sets.
+  order = sorted({s.key: s for s in sets}.values(), key=lambda s: s.objective)
+  tau = {s.key: 1.0 + 0.1 * i for i, s in enumerate(order)}
+  results = {}
+  for seed in range(3):
+    for s in order:
+      results[(s.key, seed)] = _result(tau[s.key] + 0.01 * seed, 1.0, tau[s.key] + 0.02 * seed)
+  summary = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
+  assert summary["spearman_objective"]["T0/all"]["rho"] == pytest.approx(1.0)
+  assert summary["spearman_objective"]["T0/all"]["num_sets"] == len(order)
+  rows = {r["name"]: r for r in summary["rows"]}
+  base = by_name["eagle3"].key
+  for name, s in by_name.items():
+    diff = rows[name]["vs_baseline"]["T0/all"]
+    assert diff["mean"] == pytest.approx(tau[s.key] - tau[base])
+    assert diff["values"] == pytest.approx([tau[s.key] - tau[base]] * 3)
+    assert rows[name]["metrics"]["T0/all"]["mean"] == pytest.approx(tau[s.key] + 0.01)
+    assert rows[name]["acceptance"] == pytest.approx([0.5, 0.2])
+  table = compare.markdown_table(summary)
+  assert "(baseline)" in table and "ρ = +1.00" in table and "τ T1/all" in table
+  lines = [l for l in table.splitlines() if l.startswith("| ")][1:]
+  assert lines[0].split("|")[1].strip().strip("*") == order[-1].name or tau[order[-1].key] == max(tau.values())
+  # A partial run: one seed missing for one set.
+  del results[(order[0].key, 2)]
+  partial = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
+  assert {r["name"]: r for r in partial["rows"]}[order[0].name]["metrics"]["T0/all"]["n"] == 2
+
+
+def _config():
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  try:
+    import smollm2_135m  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  return smollm2_135m.get_config("smoke")
+
+
+def test_workdir_of_a_different_config_is_refused(tmp_path):
+  config = _config()
+  compare.check_workdir(str(tmp_path), config)
+  grown = _config()
+  grown.compare.sets = "eagle3,exhaustive,greedy"
+  grown.compare.seeds = 3
+  compare.check_workdir(str(tmp_path), grown)  # more sets / seeds: the same cells, resumable
+  other = _config()
+  other.train.lr = 0.5
+  with pytest.raises(ValueError, match=r"different config .*train\.lr"):
+    compare.check_workdir(str(tmp_path), other)
+
+
+def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
+  workdir = str(tmp_path / "w")
+  base = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py"),
+          "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke", "--workdir=" + workdir]
+  subprocess.run(base, check=True, cwd=ROOT, timeout=600)
+  with open(os.path.join(workdir, "results.json")) as f:
+    summary = json.load(f)
+  rows = {r["name"]: r for r in summary["rows"]}
+  assert set(rows) == {"eagle3", "exhaustive"} and rows["eagle3"]["ids"] == [2, 15, 27]
+  assert summary["cells_done"] == 2
+  for r in rows.values():
+    tau = r["metrics"]["T0/all"]["mean"]
+    assert 1.0 <= tau <= 1 + 3  # K = 3 drafted tokens + the bonus
+    assert len(r["acceptance"]) == 3
+    assert r["metrics"]["speedup:T0/all"]["mean"] > 0
+  with open(os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")) as f:
+    cell = json.load(f)
+  assert cell["eval"]["T0/mtbench"]["equal_to_ar"] == 1.0  # greedy speculative output == plain decoding
+  cells = [os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")]
+  stamp = os.path.getmtime(cells[0])
+  with open(os.path.join(workdir, "plots", "compare.png"), "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "| **eagle3** | 2,15,27 |" in f.read()
+  # Rerun with one more manual set: finished cells are skipped, only the new one trains.
+  grown = subprocess.run(base + ["--config.compare.manual=27,28,29"], check=True, cwd=ROOT, timeout=600,
+                         capture_output=True, text=True)
+  assert os.path.getmtime(cells[0]) == stamp
+  assert "Cell 1/3" not in grown.stderr and "Cell 3/3: manual-0 [27, 28, 29] seed 0" in grown.stderr
+  with open(os.path.join(workdir, "results.json")) as f:
+    assert json.load(f)["cells_done"] == 3
+  bad = subprocess.run(base + ["--config.train.lr=0.123"], cwd=ROOT, timeout=600, capture_output=True, text=True)
+  assert bad.returncode != 0 and "holds comparison results of a different config" in bad.stderr
+  assert "train.lr" in bad.stderr
