@@ -23,8 +23,10 @@ $(STAMP): setup.py Makefile
 	$(PY) -m layerwave.models.hub prepare smollm2-135m-instruct
 	touch $(STAMP)
 
+# The main job: analysis → selection → drafts on the selected and on EAGLE-3's layers → speculative
+# decoding on MT-bench prompts → comparison table and plots in out/demo (~15 min on 2 CPU cores).
 demo: setup
-	$(PY) experiments/generate.py --config=configs/generate.py
+	$(PY) experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
 
 test: setup
 	$(PY) -m pytest -q tests
