@@ -16,6 +16,18 @@ of block i-1, L = final norm. For SmolLM2, L = 30 and EAGLE-3's rule gives [2, 1
 import ml_collections
 
 
+def _selected_vs_baseline(compare: ml_collections.ConfigDict) -> None:
+  """A two-set comparison: the exhaustive selection against EAGLE-3's layers, one seed, greedy, MT-bench,
+  with the speedup against plain decoding."""
+  compare.sets = "eagle3,exhaustive"
+  compare.lams = ""
+  compare.num_random = 0
+  compare.seeds = 1
+  compare.datasets = "mtbench"
+  compare.temperatures = "0"
+  compare.speedup = True
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # -- shared -------------------------------------------------------------------------------------
@@ -156,15 +168,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.speculate.batch_size = 2
     c.speculate.max_new_tokens = 32
     c.speculate.num_draft_tokens = 3
-    c.compare.sets = "eagle3,exhaustive"
-    c.compare.lams = ""
-    c.compare.num_random = 0
-    c.compare.seeds = 1
-    c.compare.datasets = "mtbench"
+    _selected_vs_baseline(c.compare)
     c.compare.num_prompts = 2
-    c.compare.temperatures = "0"
     c.compare.max_new_tokens = 16
-    c.compare.speedup = True
   elif arg in ("compare", "demo"):
     # Short drafts for comparisons on a CPU: every cell trains num_steps x 8 x 256 tokens with V_d 2,048
     # and K = 3 TTT steps, and drafts K = 3 tokens per verification.
@@ -188,13 +194,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.analysis.calibration_batches = 2
       c.analysis.log_every = 5
       c.train.num_steps = 60
-      c.compare.sets = "eagle3,exhaustive"
-      c.compare.lams = ""
-      c.compare.num_random = 0
-      c.compare.seeds = 1
-      c.compare.datasets = "mtbench"
-      c.compare.temperatures = "0"
-      c.compare.speedup = True
+      _selected_vs_baseline(c.compare)
   elif arg == "cpu":
     # The draft this repository reports (BENCHMARKS.md): what a 2-core CPU trains in ~45 minutes.
     # V_d is cut to 8,192 because the draft's LM head dominates the step's cost on a CPU.
