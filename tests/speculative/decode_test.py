@@ -47,6 +47,14 @@ def test_rows_stop_at_their_own_eos(llama, options):
   assert len(out[0]) == 3 and len({len(r) for r in out}) > 1
 
 
+def test_prompt_width_pads_without_changing_the_output(llama):
+  target, _, trained = llama
+  ref = layerwave.generate(target, PROMPTS, 12)
+  assert layerwave.generate(target, PROMPTS, 12, prompt_width=40) == ref
+  out, _ = layerwave.speculative.generate(target, trained, PROMPTS, 12, prompt_width=40, **CHAIN)
+  assert out == ref
+
+
 def test_metrics_are_consistent(llama):
   target, _, trained = llama
   out, m = layerwave.speculative.generate(target, trained, PROMPTS, 24, ignore_eos=True, **CHAIN)
