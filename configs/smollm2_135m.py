@@ -193,7 +193,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.analysis.max_tokens = 16_000
       c.analysis.calibration_batches = 2
       c.analysis.log_every = 5
-      c.train.num_steps = 40
+      c.train.num_steps = 80
       _selected_vs_baseline(c.compare)
   elif arg == "cpu":
     # The draft this repository reports (BENCHMARKS.md): what a 2-core CPU trains in ~45 minutes.

@@ -369,6 +369,10 @@ def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
     row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
            "new_tokens": pooled_tokens}
     if ar is not None:
+      if t == 0:
+        rows = [result[f"{_temp_key(t)}/{n}"] for n in prompts]
+        row["equal_to_ar"] = float(sum(r["equal_to_ar"] * len(prompts[n]) for r, n in zip(rows, prompts))
+                                   / sum(len(p) for p in prompts.values()))
       ar_tokens = sum(ar[f"{_temp_key(t)}/{n}"]["new_tokens"] for n in prompts)
       ar_seconds = sum(ar[f"{_temp_key(t)}/{n}"]["seconds"] for n in prompts)
       row["speedup"] = (pooled_tokens / pooled_seconds) / (ar_tokens / ar_seconds)
@@ -515,8 +519,9 @@ def mean_ci(values: Sequence[float]) -> dict[str, Any]:
 def _metric(result: dict, name: str) -> float | None:
   if name == "sim_tau":
     return result["train"].get("heldout_sim_tau")
-  if name.startswith("speedup:"):
-    return result["eval"].get(name.split(":", 1)[1], {}).get("speedup")
+  if ":" in name:  # "speedup:T0/all", "equal_to_ar:T0/all"
+    field, key = name.split(":", 1)
+    return result["eval"].get(key, {}).get(field)
   return result["eval"].get(name, {}).get("tau")
 
 
@@ -527,6 +532,7 @@ def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], se
   names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
   if compare.speedup:
     names += [f"speedup:{t}/all" for t in temps]
+    names += [f"equal_to_ar:{t}/all" for t in temps if t == "T0"]
   baseline = next(s for s in sets if s.name == compare.baseline)
   rows = []
   for s in sets:
@@ -577,9 +583,11 @@ def markdown_table(summary: dict[str, Any]) -> str:
               if m.startswith(primary.split("/")[0] + "/") and not m.endswith("/all")]
   others = [f"{t}/all" for t in temps if f"{t}/all" != primary]
   speed = [m for m in summary["metrics"] if m.startswith("speedup:")]
+  equal = [m for m in summary["metrics"] if m.startswith("equal_to_ar:")]
   head = (["set", "layers", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
           + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
-          + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed])
+          + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed]
+          + ["greedy = plain decoding" for _ in equal])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
   for r in rows:
@@ -590,12 +598,16 @@ def markdown_table(summary: dict[str, Any]) -> str:
     cells += [_fmt(r["metrics"][m]) for m in others]
     cells += [_fmt(r["metrics"]["sim_tau"])]
     cells += [_fmt(r["metrics"][m]) for m in speed]
+    cells += [f"{r['metrics'][m]['mean']:.0%}" if r["metrics"][m]["n"] else "–" for m in equal]
     lines.append("| " + " | ".join(cells) + " |")
   corr = summary["spearman_objective"]
   notes = [f"\nMean ± 95 % CI (Student t) over seeds {summary['seeds']}; Δτ is the paired difference against "
            f"`{summary['baseline']}` (same seed). τ = new tokens per target verification (bonus token "
            "included)."]
   for m, c in corr.items():
-    notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
-                 f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
+    if c["num_sets"] < 3:
+      notes.append(f"Spearman(selection objective, {m}): needs at least 3 distinct sets ({c['num_sets']} here).")
+    else:
+      notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
+                   f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
   return "\n".join(lines + notes)

@@ -191,6 +191,7 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
     assert 1.0 <= tau <= 1 + 3  # K = 3 drafted tokens + the bonus
     assert len(r["acceptance"]) == 3
     assert r["metrics"]["speedup:T0/all"]["mean"] > 0
+    assert r["metrics"]["equal_to_ar:T0/all"]["mean"] == 1.0
   with open(os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")) as f:
     cell = json.load(f)
   assert cell["eval"]["T0/mtbench"]["equal_to_ar"] == 1.0  # greedy speculative output == plain decoding
