@@ -179,7 +179,7 @@ def plot_comparison(path: str, summary: Mapping) -> str:
   errs = np.nan_to_num(np.array([r["metrics"][primary]["ci95"] for r in rows], np.float64))
   kinds = {"baseline": "C3", "strategy": "C0", "ablation": "C2", "random": "0.6", "manual": "C4"}
   colors = [kinds.get(r["kind"], "C1") for r in rows]
-  fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 0.9 + 0.32 * max(len(rows), 6)),
+  fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, max(4.0, 0.9 + 0.32 * len(rows))),
                                          gridspec_kw={"width_ratios": [1.3, 1, 1]})
   y = np.arange(len(rows))
   left.barh(y, means, xerr=errs, color=colors, capsize=3)
@@ -199,8 +199,8 @@ def plot_comparison(path: str, summary: Mapping) -> str:
   for x, m, n in zip(objective, means, names):
     mid.annotate(n, (x, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
   corr = summary["spearman_objective"].get(primary, {})
-  mid.set_title(f"Spearman ρ = {corr.get('rho', float('nan')):+.2f} (p = {corr.get('p', float('nan')):.2g})",
-                fontsize=9)
+  mid.set_title(f"Spearman ρ = {corr['rho']:+.2f} (p = {corr['p']:.2g}) over {corr['num_sets']} sets"
+                if corr.get("num_sets", 0) >= 3 else "Spearman ρ: needs at least 3 distinct sets", fontsize=9)
   mid.set_xlabel("selection objective Σ Ê − λ Σ C")
   mid.set_ylabel(f"τ ({primary})")
   mid.grid(alpha=0.3)
@@ -209,8 +209,11 @@ def plot_comparison(path: str, summary: Mapping) -> str:
       right.plot(np.arange(1, len(r["acceptance"]) + 1), r["acceptance"], "o-", color=c, ms=3, lw=1,
                  alpha=1.0 if r["kind"] in ("baseline", "strategy") else 0.5)
   right.set_xlabel("draft depth")
-  right.set_ylabel("acceptance rate (given the path so far)")
-  right.set_title("per-depth acceptance (red: baseline, blue: strategies, green: ablations)", fontsize=9)
+  right.set_ylabel("acceptance rate given the path so far")
+  right.set_title("per-depth acceptance", fontsize=9)
+  right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+  right.legend(handles=[matplotlib.lines.Line2D([], [], color=c, marker="o", lw=1, label=k)
+                        for k, c in kinds.items() if any(r["kind"] == k for r in rows)], fontsize=8)
   right.grid(alpha=0.3)
   fig.tight_layout()
   return save_figure(fig, path)
