@@ -420,7 +420,6 @@ def run(config, workdir: str) -> dict[str, Any]:
   seeds = seeds_of(cmp)
   temperatures_of(cmp)
   os.makedirs(workdir, exist_ok=True)
-  check_workdir(workdir, config)
   metrics_lib.quiet_library_logs()
   record, stats_path = _analysis_record(config, workdir)
   sets = layer_sets(record, cmp)
@@ -433,6 +432,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer)
   width = max(len(p) for ps in prompts.values() for p in ps)
+  check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
   ar = (ar_reference(target, prompts, config, width, workdir)
         if cmp.speedup and not cmp.report_only else None)
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.

@@ -208,6 +208,13 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
   assert "Cell 1/3" not in grown.stderr and "Cell 3/3: manual-0 [27, 28, 29] seed 0" in grown.stderr
   with open(os.path.join(workdir, "results.json")) as f:
     assert json.load(f)["cells_done"] == 3
+  # A typo fails before anything is recorded: the corrected config then starts cleanly in that workdir.
+  fresh = str(tmp_path / "fresh")
+  typo = subprocess.run(base[:-1] + ["--workdir=" + fresh, "--config.compare.datasets=mtbench,gsm9k",
+                                     "--config.compare.analysis=" + os.path.join(workdir, "analysis")],
+                        cwd=ROOT, timeout=600, capture_output=True, text=True)
+  assert typo.returncode != 0 and "compare.datasets names 'gsm9k'" in typo.stderr
+  assert not os.path.exists(os.path.join(fresh, "compare.json"))
   bad = subprocess.run(base + ["--config.train.lr=0.123"], cwd=ROOT, timeout=600, capture_output=True, text=True)
   assert bad.returncode != 0 and "holds comparison results of a different config" in bad.stderr
   assert "train.lr" in bad.stderr
