@@ -584,15 +584,21 @@ def markdown_table(summary: dict[str, Any]) -> str:
   others = [f"{t}/all" for t in temps if f"{t}/all" != primary]
   speed = [m for m in summary["metrics"] if m.startswith("speedup:")]
   equal = [m for m in summary["metrics"] if m.startswith("equal_to_ar:")]
-  head = (["set", "layers", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
+  head = (["set", "layers", "seeds", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
           + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
           + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed]
           + ["greedy = plain decoding" for _ in equal])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  first_with_ids = {}
+  for r in summary["rows"]:  # in config order: later sets with the same ids share the first one's cells
+    first_with_ids.setdefault(tuple(r["ids"]), r["name"])
   rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
   for r in rows:
     is_base = r["name"] == summary["baseline"]
-    cells = [f"**{r['name']}**" if is_base else r["name"], ",".join(map(str, r["ids"])), f"{r['objective']:+.3f}",
+    name = f"**{r['name']}**" if is_base else r["name"]
+    if first_with_ids[tuple(r["ids"])] != r["name"]:
+      name += f" (= {first_with_ids[tuple(r['ids'])]})"
+    cells = [name, ",".join(map(str, r["ids"])), str(r["metrics"][primary]["n"]), f"{r['objective']:+.3f}",
              _fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
     cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
     cells += [_fmt(r["metrics"][m]) for m in others]
