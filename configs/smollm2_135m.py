@@ -6,7 +6,7 @@
   python experiments/compare_layers.py --config=configs/smollm2_135m.py:compare --workdir=W \
       --config.compare.analysis=ANALYSIS_W
   (append `:smoke` to the config path for a seconds-to-a-minute CPU run; `:demo` is the README's main job:
-  analysis, two short drafts, speculative decoding and the comparison in ~15 minutes on 2 CPU cores)
+  analysis, two short drafts, speculative decoding and the comparison in ~11 minutes on 2 CPU cores)
 
 Each stage reads only its own section (`analysis`, `train` + `draft_model`, `speculate`) plus the shared
 fields at the top. Layer ids use the HF hidden-state convention (README): index 0 = embeddings, i = output
