@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 from absl import app
@@ -81,22 +80,7 @@ def decode_all(target, draft, items, s, seed: int, speculative: bool = True):
   else:
     fn = lambda ids: layerwave.generate(  # noqa: E731
         target, ids, s.max_new_tokens, **sampling, return_stats=True)
-  batches = [[p for _, p in items[i:i + s.batch_size]] for i in range(0, len(items), s.batch_size)]
-  fn(batches[0])  # compile the first batch's shapes
-  outs, hist, seconds, per_batch = [], None, 0.0, []
-  for ids in batches:
-    start = time.perf_counter()
-    out, m = fn(ids)
-    dt = time.perf_counter() - start
-    seconds += dt
-    outs.extend(out)
-    row = {"seconds": dt, "new_tokens": sum(len(o) for o in out)}
-    if speculative:
-      h = np.asarray(m["accept_length_hist"])
-      hist = h if hist is None else hist + h
-      row.update(tau=m["tau"], verify_calls=m["verify_calls"])
-    per_batch.append(row)
-  return outs, hist, seconds, per_batch
+  return decode.run_batches(fn, [p for _, p in items], int(s.batch_size))
 
 
 def evaluate(target, draft, items, s, seed: int, ar=None) -> tuple[dict[str, Any], list, list]:

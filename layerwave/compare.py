@@ -283,27 +283,6 @@ def temperatures_of(compare) -> list[float]:
   return temps
 
 
-def _batches(prompts, size):
-  return [prompts[i:i + size] for i in range(0, len(prompts), size)]
-
-
-def _decode(fn, prompts, batch_size, timed: bool):
-  """Runs `fn` over the prompt batches; returns (outputs, summed histogram or None, decode seconds)."""
-  batches = _batches(prompts, batch_size)
-  if timed:
-    fn(batches[0])  # compile outside the clock
-  outs, hist, seconds = [], None, 0.0
-  for b in batches:
-    start = time.perf_counter()
-    out, m = fn(b)
-    seconds += time.perf_counter() - start
-    outs.extend(out)
-    if "accept_length_hist" in m:
-      h = np.asarray(m["accept_length_hist"], np.int64)
-      hist = h if hist is None else hist + h
-  return outs, hist, seconds
-
-
 def _spec_kwargs(config, width: int) -> dict[str, Any]:
   s = config.speculate
   return dict(max_new_tokens=int(config.compare.max_new_tokens), top_k=int(s.top_k), top_p=float(s.top_p),
@@ -319,6 +298,7 @@ def _temp_key(t: float) -> str:
 def ar_reference(target, prompts, config, width: int, workdir: str) -> dict[str, Any]:
   """`layerwave.generate` on the same prompts (speed and greedy outputs), computed once per workdir."""
   import layerwave  # pylint: disable=g-import-not-at-top
+  from layerwave.speculative import decode  # pylint: disable=g-import-not-at-top
   path = os.path.join(workdir, "ar_reference.json")
   if os.path.exists(path):
     with open(path) as f:
@@ -330,7 +310,7 @@ def ar_reference(target, prompts, config, width: int, workdir: str) -> dict[str,
       fn = lambda ids, t=t: layerwave.generate(  # noqa: E731
           target, ids, kw["max_new_tokens"], temperature=t, top_k=kw["top_k"], top_p=kw["top_p"],
           seed=0, prompt_width=width, return_stats=True)
-      outs, _, seconds = _decode(fn, ps, int(config.speculate.batch_size), timed=True)
+      outs, _, seconds, _ = decode.run_batches(fn, ps, int(config.speculate.batch_size))
       tokens = sum(len(o) for o in outs)
       out[f"{_temp_key(t)}/{name}"] = {"seconds": seconds, "new_tokens": tokens,
                                        "tokens_per_s": tokens / seconds, "outputs": outs}
@@ -350,7 +330,8 @@ def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
     for name, ps in prompts.items():
       fn = lambda ids, t=t: layerwave.speculative.generate(  # noqa: E731
           target, draft, ids, temperature=t, seed=seed, **kw)
-      outs, hist, seconds = _decode(fn, ps, int(config.speculate.batch_size), timed=ar is not None)
+      outs, hist, seconds, _ = decode.run_batches(fn, ps, int(config.speculate.batch_size),
+                                                  warmup=ar is not None)
       m = decode.acceptance_metrics(hist[None])
       tokens = sum(len(o) for o in outs)
       row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],

@@ -358,6 +358,36 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
   return result, metrics
 
 
+def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: bool = True):
+  """Decodes `prompts` in batches of `batch_size` with `fn(batch) -> (outputs, metrics)`, timing each call.
+
+  `fn` is `layerwave.generate` (with `return_stats=True`) or `layerwave.speculative.generate` bound to a
+  target, draft and settings. With `warmup`, the first batch is decoded once first so that compilation stays
+  outside the clock.
+
+  Returns:
+    (outputs per prompt, summed `accept_length_hist` or None for plain decoding, decode seconds,
+     per-batch rows {seconds, new_tokens[, tau, verify_calls]}).
+  """
+  batches = [list(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size)]
+  if warmup:
+    fn(batches[0])
+  outs, hist, seconds, per_batch = [], None, 0.0, []
+  for ids in batches:
+    start = time.perf_counter()
+    out, m = fn(ids)
+    dt = time.perf_counter() - start
+    seconds += dt
+    outs.extend(out)
+    row = {"seconds": dt, "new_tokens": sum(len(o) for o in out)}
+    if "accept_length_hist" in m:
+      h = np.asarray(m["accept_length_hist"], np.int64)
+      hist = h if hist is None else hist + h
+      row.update(tau=m["tau"], verify_calls=m["verify_calls"])
+    per_batch.append(row)
+  return outs, hist, seconds, per_batch
+
+
 def acceptance_metrics(hist: np.ndarray) -> dict[str, Any]:
   """τ and per-depth acceptance from `accept_hist [B, D+1]` (counts of m per verification)."""
   counts = hist.sum(axis=0).astype(np.int64)
