@@ -17,19 +17,25 @@ Layer-id conventions at this boundary, read from the engines' source:
   `set_eagle3_layers_to_capture` adds 1 to explicit ids (`[val + 1 for val in layer_ids]`, read from
   `eagle_config.eagle_aux_hidden_state_layer_ids` by `model_runner`), i.e. it reads them as "output of
   block j" — SpecForge's convention (its default `[1, L//2-1, L-4]`, e.g. `[1, 15, 28]` for L = 32).
-  sglang PR #25454 (2026-05) adds 1 only when the first id is 1, to accept both kinds of file.
+  sglang PR #25454 (merged 2026-05-16) adds 1 only when the first id is 1, to accept both kinds of file.
 * Both engines' default when a draft names no ids is `[2, L//2, L-3]` captured before those layers: HF ids.
 * vLLM and SGLang both build `fc` as `3 * target_hidden_size → hidden_size`: only k = 3 drafts load there.
+* Both run the draft in the target's dtype, casting the file's tensors on load.
 
 So the exported file carries HF ids (= vLLM's reading, and SGLang ≥ #25454's reading unless the first id is
 1), in both places vLLM looks (`eagle_aux_hidden_state_layer_ids` and `eagle_config.…`), plus a `layerwave`
-block with the `LayerSelection` record and the same ids in block-output numbering for SpecForge /
-TensorRT-LLM readers. `load_eagle3` reads ids as HF ids by default and as block outputs with
-`id_convention="block_outputs"` (a SpecForge-trained draft made for SGLang).
+block with the `LayerSelection` record, the same ids in block-output numbering for SpecForge /
+TensorRT-LLM readers, and `engine_layer_ids` / `engine_note`: the layers each engine version will feed.
 
-Refused (clear errors, not silently approximated): multi-layer drafts (the engines disagree on the names of
-the extra layers: vLLM `layers.{i}`, SGLang `additional_layers.{i-1}`), `fc_norm` drafts (no engine applies
-per-chunk norms), and layer id L (the final-norm output, which no engine can feed).
+Refused at export (clear errors, not silently approximated): layer id 0 (no residual exists before
+block 0 to capture); a first id of 1 (SGLang ≥ #25454 would shift every id) unless `allow_first_id_1`;
+k ≠ 3 (a shape error in both engines) unless `allow_nonstandard_k`; multi-layer drafts (vLLM names extra
+layers `layers.{i}`, SGLang `additional_layers.{i-1}`); `fc_norm` drafts (no engine applies per-chunk
+norms); layer id L (the final-norm output, which no engine can feed).
+
+`load_eagle3` reads ids as the current engines do: HF ids when the first is ≥ 2 (vLLM and SGLang ≥ #25454
+agree); a list starting at 0 or 1 (where they disagree) needs `id_convention`. It reads
+`model.safetensors`, or `pytorch_model.bin` through `torch.load(weights_only=True)` when torch is installed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from typing import Any
 
 import jax
@@ -53,13 +60,18 @@ from layerwave.inference import Target, parse_dtype
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import Draft, DraftConfig
 
-__all__ = ["ARCHITECTURE", "export_eagle3", "export_workdir", "is_eagle3_dir", "load_eagle3"]
+__all__ = ["ARCHITECTURE", "ENGINES", "engine_layer_ids", "engine_note", "export_eagle3", "export_workdir",
+           "is_eagle3_dir", "load_eagle3", "read_tensors"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM's registry maps it to its Eagle3 Llama
 EAGLE3_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
+TORCH_WEIGHTS = "pytorch_model.bin"  # what published EAGLE-3 drafts ship
 _DISK_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# Engine versions that read eagle_aux_hidden_state_layer_ids differently (see the module docstring).
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang with PR #25454 (merged 2026-05-16)",
+           "sglang_before_pr25454": "SGLang before PR #25454"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -96,6 +108,68 @@ def _check_exportable(config: DraftConfig) -> None:
         f"Layer id {final[0]} (= L) is the target's final-norm output; vLLM and SGLang capture inputs of "
         f"decoder blocks (ids 0..L-1), so no engine can feed this draft. Select ids in "
         f"0..{config.target_num_layers - 1}.")
+
+
+def engine_layer_ids(ids, num_layers: int) -> dict[str, list[int] | None]:
+  """The target layers (hf ids) each engine in `ENGINES` feeds a draft whose config.json carries `ids`.
+
+  vLLM captures the input of block i for each id i; SGLang does the same after adding 1 to every id
+  (before PR #25454) or only when the first id is 1 (since).
+
+  Args:
+    ids: the ids written in config.json (`eagle_aux_hidden_state_layer_ids`), sorted.
+    num_layers: the target's L.
+
+  Returns:
+    Engine key → the hf ids it captures, or None where it cannot run the file (fc is built for 3
+    layers; id 0 has no residual to capture; a shifted id reaches L, which no block's input is).
+  """
+  ids = [int(i) for i in ids]
+  shifted = [i + 1 for i in ids]
+  reads = {"vllm": ids, "sglang": shifted if ids[:1] == [1] else ids, "sglang_before_pr25454": shifted}
+  runs = lambda r: len(r) == 3 and min(r) > 0 and max(r) < num_layers
+  return {engine: (r if runs(r) else None) for engine, r in reads.items()}
+
+
+def engine_note(ids, num_layers: int) -> str:
+  """One sentence per engine version: which layers it feeds a draft trained on hf ids `ids`."""
+  ids = [int(i) for i in ids]
+  parts = []
+  for engine, reads in engine_layer_ids(ids, num_layers).items():
+    if reads is None:
+      what = "cannot load this draft"
+    elif reads == ids:
+      what = f"reads layers {reads}, the trained ones"
+    else:
+      what = f"reads layers {reads}, NOT the trained {ids}: wrong layers"
+    parts.append(f"{ENGINES[engine]} {what}")
+  return (f"Trained on hf_hidden_states ids {ids} (input of block i; L = {num_layers}). "
+          + "; ".join(parts) + ".")
+
+
+def _check_engine_ids(ids, num_layers: int, allow_first_id_1: bool, allow_nonstandard_k: bool) -> None:
+  """Refuses ids that vLLM / SGLang would load from the wrong layers, or not at all."""
+  ids = [int(i) for i in ids]
+  if 0 in ids:
+    raise ValueError(
+        f"Layer id 0 (the embedding output) in {ids} cannot be exported: vLLM and SGLang capture "
+        "hidden_states + residual before block i, and there is no residual before block 0, so vLLM and "
+        "SGLang >= PR #25454 fail and older SGLang silently reads id 1 instead. Train on ids >= 1 "
+        "(analysis.include_embeddings=False); layerwave still loads this draft from its training workdir.")
+  if len(ids) != 3 and not allow_nonstandard_k:
+    raise ValueError(
+        f"This draft reads {len(ids)} layers {ids}; vLLM and SGLang build fc for exactly 3 (3 * "
+        "target_hidden_size inputs), so loading it fails with a shape error. Pass "
+        "allow_nonstandard_k=True (--allow_nonstandard_k) to export it for layerwave.load_eagle3 only.")
+  if ids[0] == 1 and not allow_first_id_1:
+    raise ValueError(
+        f"The first layer id is 1 ({ids}): SGLang >= PR #25454 reads a list starting at 1 as block "
+        f"outputs and adds 1 to every id, so it would feed layers {[i + 1 for i in ids]}, not the trained "
+        "ones (vLLM reads them as written). Train on ids starting at 2 or above, or pass "
+        "allow_first_id_1=True (--allow_first_id_1) to export for vLLM; config.json's layerwave."
+        "engine_note then records what each engine reads.")
+  if len(ids) != 3 or ids[0] == 1:
+    logging.warning("Non-standard EAGLE-3 export on request: %s", engine_note(ids, num_layers))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,7 +223,10 @@ def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str
       "bos_token_id": m.bos_token_id,
       "eos_token_id": (None if not m.eos_token_ids else m.eos_token_ids[0] if len(m.eos_token_ids) == 1
                        else list(m.eos_token_ids)),
+      # The dtype on disk, under both names transformers has used (< 4.56 / >= 4.56); engines cast it
+      # to the target's dtype on load.
       "torch_dtype": dtype,
+      "dtype": dtype,
       # vLLM reads the top-level list first, then eagle_config's; SGLang reads eagle_config's only.
       "eagle_aux_hidden_state_layer_ids": ids,
       "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
@@ -158,6 +235,8 @@ def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str
           "layer_ids": ids,
           "layer_id_convention": selection_lib.CONVENTION,
           "block_output_layer_ids": block_ids,
+          "engine_layer_ids": engine_layer_ids(ids, c.target_num_layers),
+          "engine_note": engine_note(ids, c.target_num_layers),
           "target": {"num_layers": c.target_num_layers, "hidden_size": c.target_hidden_size,
                      "vocab_size": c.target_vocab_size},
           "selection": record.to_dict(),
@@ -169,7 +248,8 @@ def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str
 
 def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
                   selection: selection_lib.LayerSelection | None = None, overwrite: bool = False,
-                  dtype: str = "float32", include_embedding: bool = False) -> str:
+                  dtype: str = "float32", include_embedding: bool = False,
+                  allow_first_id_1: bool = False, allow_nonstandard_k: bool = False) -> str:
   """Writes `draft` as an EAGLE-3 Hugging Face directory, atomically.
 
   Args:
@@ -178,15 +258,21 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
     out_dir: the directory to create.
     selection: the `LayerSelection` record behind the draft's ids (a `manual` record when None).
     overwrite: replace an existing `out_dir`.
-    dtype: tensor dtype on disk: 'float32' (exact round trip), 'bfloat16' or 'float16'.
+    dtype: tensor dtype on disk, recorded as config.json's `torch_dtype` and `dtype`: 'float32' (exact
+      round trip), 'bfloat16' (for a bfloat16 serving target: engines run the draft in the target's
+      dtype, so this is what they compute with, in half the bytes) or 'float16'.
     include_embedding: also write `embed_tokens.weight` (vLLM shares the target's when absent).
+    allow_first_id_1: export ids starting at 1, which SGLang >= PR #25454 shifts by one (vLLM does not);
+      the config's `layerwave.engine_note` and a log line say what each engine reads.
+    allow_nonstandard_k: export a draft reading k != 3 layers, which only layerwave loads.
 
   Returns:
     `out_dir`.
 
   Raises:
     FileExistsError: `out_dir` exists and `overwrite` is False.
-    ValueError: a draft that EAGLE-3 engines cannot load, or one made for another target / selection.
+    ValueError: a draft that EAGLE-3 engines cannot load or would feed from the wrong layers (unless
+      allowed above), or one made for another target / selection.
   """
   if dtype not in _DISK_DTYPES:
     raise ValueError(f"Unknown export dtype {dtype!r}; choose one of {sorted(_DISK_DTYPES)}.")
@@ -200,13 +286,7 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
   if tuple(selection.ids) != tuple(c.layer_ids):
     raise ValueError(f"The selection record's ids {list(selection.ids)} differ from the draft's "
                      f"{list(c.layer_ids)}.")
-  if len(c.layer_ids) != 3:
-    logging.warning("Exporting a draft that reads %d layers: vLLM and SGLang build fc for exactly 3 "
-                    "(3 * target_hidden_size inputs), so only layerwave will load it.", len(c.layer_ids))
-  if c.layer_ids[0] == 1:
-    logging.warning("The first layer id is 1: SGLang (>= PR #25454) reads a list starting at 1 as "
-                    "block outputs and shifts it by one; serve this draft with vLLM or pass SGLang ids "
-                    "%s.", [i + 1 for i in c.layer_ids])
+  _check_engine_ids(c.layer_ids, c.target_num_layers, allow_first_id_1, allow_nonstandard_k)
   out_dir = os.path.abspath(os.fspath(out_dir))
   if os.path.lexists(out_dir) and not overwrite:
     raise FileExistsError(f"{out_dir} already exists; choose a new directory or pass overwrite=True "
@@ -223,9 +303,11 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
 
 
 def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step: int | None = None,
-                   overwrite: bool = False, dtype: str = "float32",
-                   include_embedding: bool = False) -> str:
+                   overwrite: bool = False, dtype: str = "float32", include_embedding: bool = False,
+                   allow_first_id_1: bool = False, allow_nonstandard_k: bool = False) -> str:
   """Exports the draft of a training workdir, loading the target it recorded (or `model`).
+
+  Keyword arguments after `step` are `export_eagle3`'s.
 
   Returns:
     `out_dir`.
@@ -246,7 +328,8 @@ def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step
   draft = loop.load_draft(workdir, target, step)
   record = selection_lib.LayerSelection.from_dict(meta["selection"])
   return export_eagle3(draft, target, out_dir, selection=record, overwrite=overwrite, dtype=dtype,
-                       include_embedding=include_embedding)
+                       include_embedding=include_embedding, allow_first_id_1=allow_first_id_1,
+                       allow_nonstandard_k=allow_nonstandard_k)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,9 +385,21 @@ def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None)
     return ids
   if not written:  # both engines then capture EAGLE-3's default, before blocks (2, L//2, L-3)
     return selection_lib.eagle3_layer_ids(num_layers)
-  convention = id_convention or selection_lib.CONVENTION
+  written = [selection_lib._as_int(i) for i in written]  # pylint: disable=protected-access
+  convention = id_convention
+  if convention is None:
+    if min(written) <= 1:  # the engines disagree: see engine_layer_ids
+      as_block = [i + 1 for i in written]
+      how = (f"vLLM as hf_hidden_states ids (input of block i: layers {written})" if min(written) else
+             "vLLM and SGLang >= PR #25454 cannot capture id 0 (no residual before block 0)")
+      raise ValueError(
+          f"eagle_aux_hidden_state_layer_ids {written} start at {min(written)}, which the engines read "
+          f"differently: {how}; SGLang as block outputs (layers {as_block}), the way SpecForge-trained "
+          "drafts count. Pass id_convention='block_outputs' (a SpecForge / SGLang draft) or "
+          f"id_convention='{selection_lib.CONVENTION}' (a draft made for vLLM) to load_eagle3.")
+    convention = selection_lib.CONVENTION  # first id >= 2: vLLM and SGLang >= PR #25454 agree
   if convention == selection_lib.CONVENTION:
-    return tuple(selection_lib._as_int(i) for i in written)  # pylint: disable=protected-access
+    return tuple(written)
   if convention == "block_outputs":
     return selection_lib.from_block_outputs(written, num_layers)
   raise ValueError(f"Unknown id_convention {id_convention!r}: use {selection_lib.CONVENTION!r} (vLLM) "
@@ -366,16 +461,67 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
                      target_hidden_size=t.hidden_size, target_vocab_size=t.vocab_size, model=model)
 
 
-def _read_tensors(directory: str) -> dict[str, np.ndarray]:
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+def read_tensors(directory: str) -> dict[str, np.ndarray]:
+  """The tensors of `model.safetensors` in `directory`, else of `pytorch_model.bin` (needs torch).
+
+  Returns:
+    Name → numpy array (bfloat16 as `ml_dtypes.bfloat16`, `d2t` int64 as stored).
+
+  Raises:
+    FileNotFoundError: neither file exists.
+    ImportError: only `pytorch_model.bin` exists and torch is not installed.
+    ValueError: `pytorch_model.bin` holds more than a dict of tensors.
+  """
   path = os.path.join(directory, WEIGHTS)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"No {WEIGHTS} in {directory} (pickled pytorch_model.bin drafts are not "
-                            "read; re-save with safetensors).")
+    torch_path = os.path.join(directory, TORCH_WEIGHTS)
+    if os.path.isfile(torch_path):
+      return _read_torch_bin(torch_path)
+    raise FileNotFoundError(f"No {WEIGHTS} or {TORCH_WEIGHTS} in {directory}.")
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   out = {}
   with safe_open(path, framework="numpy") as f:  # numpy keeps int64 d2t; bfloat16 via ml_dtypes
     for key in f.keys():
       out[key] = f.get_tensor(key)
+  return out
+
+
+def _import_torch(path: str):
+  """torch, or an ImportError saying why `path` needs it and how to do without."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        f"{path} is a pickled PyTorch checkpoint and torch is not installed. Install it (`pip install "
+        "torch`; the CPU build is enough: layerwave reads the file with torch.load(weights_only=True, "
+        "map_location='cpu'), which runs no code from it), or convert the file to model.safetensors "
+        "where torch is installed.") from e
+  return torch
+
+
+def _read_torch_bin(path: str) -> dict[str, np.ndarray]:
+  """A `pytorch_model.bin` state dict as numpy arrays, loaded without running code from the file."""
+  torch = _import_torch(path)
+  try:
+    state = torch.load(path, weights_only=True, map_location="cpu")
+  except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+    # torch's message is a page of advice; what follows "WeightsUnpickler error:" names the refusal.
+    _, _, tail = str(e).partition("WeightsUnpickler error:")
+    reason = next((ln.strip() for ln in (tail or str(e)).splitlines() if ln.strip()), type(e).__name__)
+    raise ValueError(f"{path} could not be read with torch.load(weights_only=True): "
+                     f"{reason.split('. Please')[0].rstrip('.')}. It is damaged or holds more than tensors, "
+                     "and layerwave does not unpickle arbitrary objects (that can run code). Convert a "
+                     "trusted copy to model.safetensors.") from e
+  if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    raise ValueError(f"{path} is not a flat state dict of tensors (name → tensor), as EAGLE-3 drafts "
+                     "ship it.")
+  out = {}
+  for name, t in state.items():
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret the bits as ml_dtypes'
+      out[name] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+      out[name] = t.numpy()
   return out
 
 
@@ -402,11 +548,14 @@ def load_eagle3(directory: str, target: Target, *, id_convention: str | None = N
   """Reads an EAGLE-3 Hugging Face directory into a `Draft` for `target`.
 
   Args:
-    directory: holds `config.json` (`LlamaForCausalLMEagle3`) and `model.safetensors`.
+    directory: holds `config.json` (`LlamaForCausalLMEagle3`) and `model.safetensors`, or
+      `pytorch_model.bin` (read with `torch.load(weights_only=True)`; needs torch).
     target: the target the draft reads; its embedding becomes the draft's (frozen).
     id_convention: how to read `eagle_aux_hidden_state_layer_ids` of a file without a `layerwave`
-      block: 'hf_hidden_states' (default; vLLM's reading) or 'block_outputs' (SpecForge / SGLang's
-      explicit ids, converted + 1). Files exported by layerwave state theirs.
+      block: 'hf_hidden_states' (vLLM's reading) or 'block_outputs' (SpecForge / SGLang's explicit ids,
+      converted + 1). None (default) reads them as the current engines do: hf ids when the first is
+      >= 2, and refuses a list starting at 0 or 1, where vLLM and SGLang disagree. Files exported by
+      layerwave state theirs.
     dtype: parameter dtype of the returned draft.
 
   Returns:
@@ -414,8 +563,9 @@ def load_eagle3(directory: str, target: Target, *, id_convention: str | None = N
 
   Raises:
     FileNotFoundError: no EAGLE-3 config.json / weights in `directory`.
-    ValueError: naming missing, unexpected or misshapen tensors, bad or inconsistent layer ids, or a
-      draft made for another target.
+    ImportError: the weights are a `pytorch_model.bin` and torch is not installed.
+    ValueError: naming missing, unexpected or misshapen tensors, bad, inconsistent or ambiguous layer
+      ids, or a draft made for another target.
   """
   directory = os.fspath(directory)
   if not os.path.isfile(os.path.join(directory, "config.json")):
@@ -434,7 +584,7 @@ def load_eagle3(directory: str, target: Target, *, id_convention: str | None = N
     if tuple(block["selection"]["ids"]) != ids:
       raise ValueError(f"The layerwave selection record's ids {block['selection']['ids']} differ from "
                        f"the draft's {list(ids)}.")
-  tensors = _read_tensors(directory)
+  tensors = read_tensors(directory)
   dtype = parse_dtype(dtype)
   abstract = nnx.eval_shape(lambda: Draft(dcfg, dtype=dtype, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)

@@ -13,7 +13,8 @@ Where the pinned names and fields come from (read in the public sources, not cop
   `model.midlayer` (`input_layernorm`, `hidden_norm`, `self_attn.{q,k,v,o}_proj`,
   `post_attention_layernorm`, `mlp.{gate,up,down}_proj`), `model.norm`, `lm_head`; `d2t` becomes
   `hot_token_id = d2t + arange`; `t2d` is skipped. SGLang `llama.py` `set_eagle3_layers_to_capture` adds 1
-  to explicit ids (block-output convention; sglang PR #25454 only when the first id is 1).
+  to explicit ids (block-output convention; sglang PR #25454 only when the first id is 1). Its capture, like
+  vLLM's, appends `hidden_states + residual`, and the residual is None before block 0: id 0 cannot load.
 * EAGLE `eagle/model/cnets.py` (the EAGLE-3 reference): `fc`, `midlayer`, `norm`, `lm_head`, buffers
   `d2t` (long) and `t2d` (bool), `target_id = draft_id + d2t[draft_id]`, embeds concatenated first.
 * Published config.json (SpecForge `configs/qwen3-4b-eagle3.json`, the layout of
@@ -24,7 +25,10 @@ Where the pinned names and fields come from (read in the public sources, not cop
 """
 
 import json
+import logging
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -142,6 +146,11 @@ def test_published_key_names_and_config_fields(target, tmp_path):
   assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": list(IDS),
                                  "use_aux_hidden_state": True}
   assert cfg["eagle_aux_hidden_state_layer_ids"] == list(IDS)
+  assert cfg["torch_dtype"] == cfg["dtype"] == "float32"  # transformers < 4.56 / >= 4.56 spellings
+  # Before #25454 SGLang adds 1 to every id; since, only to lists starting at 1; vLLM never.
+  assert cfg["layerwave"]["engine_layer_ids"] == {"vllm": [2, 3, 6], "sglang": [2, 3, 6],
+                                                  "sglang_before_pr25454": [3, 4, 7]}
+  assert "SGLang before PR #25454 reads layers [3, 4, 7], NOT the trained" in cfg["layerwave"]["engine_note"]
   with_embed = export.export_eagle3(_draft(target), target, str(tmp_path / "emb"),
                                     include_embedding=True)
   assert load_file(os.path.join(with_embed, "model.safetensors"))["embed_tokens.weight"].shape == (V, D)
@@ -210,14 +219,30 @@ def test_official_directory_loads_and_runs(target, tmp_path):
 
 
 def test_official_block_output_ids_need_the_convention(target, tmp_path):
-  # A SpecForge-style draft for SGLang: eagle_config ids count block outputs (hf id - 1).
+  # A SpecForge-style draft for SGLang: eagle_config ids count block outputs (hf id - 1). A list starting at
+  # 1 is where the engines disagree (vLLM: hf ids; SGLang: block outputs), so it is never guessed.
   _official_dir(str(tmp_path / "sf"), {"eagle_aux_hidden_state_layer_ids": [1, 3, 5],
                                        "use_aux_hidden_state": True})
-  assert layerwave.load_eagle3(str(tmp_path / "sf"), target).config.layer_ids == (1, 3, 5)  # vLLM
+  with pytest.raises(ValueError, match=r"start at 1, which the engines read differently.*"
+                                       r"layers \[2, 4, 6\].*id_convention='block_outputs'"):
+    layerwave.load_eagle3(str(tmp_path / "sf"), target)
+  assert layerwave.load_eagle3(str(tmp_path / "sf"), target,
+                               id_convention="hf_hidden_states").config.layer_ids == (1, 3, 5)  # vLLM
   assert layerwave.load_eagle3(str(tmp_path / "sf"), target,
                                id_convention="block_outputs").config.layer_ids == (2, 4, 6)
   with pytest.raises(ValueError, match="Unknown id_convention"):
     layerwave.load_eagle3(str(tmp_path / "sf"), target, id_convention="sglang")
+  # Id 0: vLLM and new SGLang cannot capture it, old SGLang reads block outputs: refused as ambiguous too.
+  _edit_config(str(tmp_path / "sf"), lambda c: c["eagle_config"].update(
+      eagle_aux_hidden_state_layer_ids=[0, 3, 5]))
+  with pytest.raises(ValueError, match="cannot capture id 0.*id_convention"):
+    layerwave.load_eagle3(str(tmp_path / "sf"), target)
+  assert layerwave.load_eagle3(str(tmp_path / "sf"), target,
+                               id_convention="block_outputs").config.layer_ids == (1, 4, 6)
+  # First id >= 2: vLLM and SGLang >= #25454 both read hf ids, and so does load_eagle3.
+  _edit_config(str(tmp_path / "sf"), lambda c: c["eagle_config"].update(
+      eagle_aux_hidden_state_layer_ids=[2, 3, 5]))
+  assert layerwave.load_eagle3(str(tmp_path / "sf"), target).config.layer_ids == (2, 3, 5)
 
 
 def test_export_refuses_an_existing_directory_unless_overwrite(target, tmp_path):
@@ -242,6 +267,60 @@ def test_export_refuses_what_engines_cannot_load(target, tmp_path):
   with pytest.raises(ValueError, match="differ from the draft's"):
     export.export_eagle3(_draft(target), target, str(tmp_path / "d"), selection=record)
   assert not os.listdir(tmp_path)
+
+
+def test_export_refuses_layer_id_0(target, tmp_path):
+  # Both engines capture hidden_states + residual before block i; before block 0 there is no residual.
+  overrides = {"allow_first_id_1": True, "allow_nonstandard_k": True}
+  for ids, kw in (((0, 3, 6), {}), ((0, 3, 6), overrides), ((0, 6), overrides)):  # no override exports it
+    with pytest.raises(ValueError, match="no residual before block 0.*older SGLang silently reads id 1"):
+      export.export_eagle3(_draft(target, ids=ids), target, str(tmp_path / "a"), **kw)
+  assert not os.listdir(tmp_path)
+
+
+def test_export_refuses_first_id_1_unless_allowed(target, tmp_path, caplog):
+  ids = (1, 3, 6)
+  with pytest.raises(ValueError, match=r"first layer id is 1.*feed layers \[2, 4, 7\].*allow_first_id_1"):
+    export.export_eagle3(_draft(target, ids=ids), target, str(tmp_path / "a"))
+  assert not os.listdir(tmp_path)
+  with caplog.at_level(logging.WARNING):
+    out = export.export_eagle3(_draft(target, ids=ids), target, str(tmp_path / "b"),
+                               allow_first_id_1=True)
+  with open(os.path.join(out, "config.json")) as f:
+    cfg = json.load(f)
+  assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]  # written as trained: vLLM's reading
+  want = {"vllm": [1, 3, 6], "sglang": [2, 4, 7], "sglang_before_pr25454": [2, 4, 7]}
+  assert cfg["layerwave"]["engine_layer_ids"] == want
+  note = cfg["layerwave"]["engine_note"]
+  assert "vLLM reads layers [1, 3, 6], the trained ones" in note
+  assert "SGLang with PR #25454 (merged 2026-05-16) reads layers [2, 4, 7], NOT the trained" in note
+  assert note in caplog.text  # the same sentence in the log
+  assert layerwave.load_eagle3(out, target).config.layer_ids == ids  # the layerwave block is exact
+
+
+def test_export_refuses_k_not_3_unless_allowed(target, tmp_path, caplog):
+  for ids in ((2, 6), (2, 3, 5, 6)):
+    with pytest.raises(ValueError, match=f"reads {len(ids)} layers.*fc for exactly 3.*allow_nonstandard_k"):
+      export.export_eagle3(_draft(target, ids=ids), target, str(tmp_path / "a"))
+  assert not os.listdir(tmp_path)
+  draft = _draft(target, ids=(2, 6))
+  with caplog.at_level(logging.WARNING):
+    out = export.export_eagle3(draft, target, str(tmp_path / "b"), allow_nonstandard_k=True)
+  with open(os.path.join(out, "config.json")) as f:
+    lw = json.load(f)["layerwave"]
+  assert lw["engine_layer_ids"] == {"vllm": None, "sglang": None, "sglang_before_pr25454": None}
+  assert "vLLM cannot load this draft" in lw["engine_note"] and lw["engine_note"] in caplog.text
+  back = layerwave.load_eagle3(out, target)  # layerwave reads it
+  for path, value in _state(draft).items():
+    np.testing.assert_array_equal(value, _state(back)[path], err_msg=str(path))
+
+
+def test_engine_layer_ids():
+  # Old SGLang's shift can reach L (= 8), which no block's input is: the engine cannot run it.
+  assert export.engine_layer_ids([2, 4, 7], L) == {"vllm": [2, 4, 7], "sglang": [2, 4, 7],
+                                                   "sglang_before_pr25454": None}
+  assert export.engine_layer_ids([0, 3, 6], L) == {"vllm": None, "sglang": None,
+                                                   "sglang_before_pr25454": [1, 4, 7]}
 
 
 def test_import_missing_tensor(target, tmp_path):
@@ -284,16 +363,32 @@ def test_import_layer_ids_of_wrong_length_or_convention(target, tmp_path):
 def test_import_draft_for_another_target(target, tmp_path):
   out = export.export_eagle3(_draft(target), target, str(tmp_path / "e"))
   hf_reference.save_hf_model_with(str(tmp_path / "l6"), num_hidden_layers=6)
+  target6 = layerwave.load_target(str(tmp_path / "l6"))
   with pytest.raises(ValueError, match="L=8; the given target has L=6"):
-    layerwave.load_draft(out, layerwave.load_target(str(tmp_path / "l6")))
+    layerwave.load_draft(out, target6)
+  with pytest.raises(ValueError, match=r"trained for a target with \(L, D, V\) = \(8, 32, 97\)"):
+    export.export_eagle3(_draft(target), target6, str(tmp_path / "x"))  # exported with the wrong target
   hf_reference.save_hf_model_with(str(tmp_path / "v"), num_hidden_layers=L, vocab_size=120)
   with pytest.raises(ValueError, match=r"another target: vocab_size=97 \(target has 120\)"):
     layerwave.load_draft(out, layerwave.load_target(str(tmp_path / "v")))
+  # A published draft (no layerwave block) for a wider target, and one whose ids need a deeper target.
+  _official_dir(str(tmp_path / "o"))
+  _edit_config(str(tmp_path / "o"), lambda c: c.update(target_hidden_size=64))
+  with pytest.raises(ValueError, match=r"another target: target_hidden_size=64 \(target has 32\)"):
+    layerwave.load_eagle3(str(tmp_path / "o"), target)
+  _edit_config(str(tmp_path / "o"), lambda c: (c.pop("target_hidden_size"), c.update(
+      eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 16, 29]})))
+  with pytest.raises(ValueError, match="out of range for L=8"):
+    layerwave.load_eagle3(str(tmp_path / "o"), target)
 
 
 def test_bfloat16_export_loads_close(target, tmp_path):
   draft = _draft(target)
   out = export.export_eagle3(draft, target, str(tmp_path / "bf"), dtype="bfloat16")
+  with open(os.path.join(out, "config.json")) as f:
+    cfg = json.load(f)
+  assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"  # the dtype on disk, recorded
+  assert load_file(os.path.join(out, "model.safetensors"))["fc.weight"].dtype == ml_dtypes.bfloat16
   back = layerwave.load_eagle3(out, target)
   np.testing.assert_allclose(back.fc.kernel[...], draft.fc.kernel[...], rtol=1e-2, atol=1e-2)
   np.testing.assert_array_equal(back.d2t[...], draft.d2t[...])
@@ -317,3 +412,68 @@ def test_export_workdir_reads_the_recorded_target(target, tmp_path):
     np.testing.assert_array_equal(value, _state(back)[path], err_msg=str(path))
   with pytest.raises(FileExistsError):
     export.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
+
+
+def _to_torch_bin(directory):
+  """Rewrites `directory`'s model.safetensors as pytorch_model.bin (torch.save), as published drafts ship."""
+  import torch  # pylint: disable=g-import-not-at-top
+  tensors = {}
+  for name, arr in load_file(os.path.join(directory, "model.safetensors")).items():
+    if arr.dtype == ml_dtypes.bfloat16:  # torch cannot take ml_dtypes arrays: move the bits
+      tensors[name] = torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+      tensors[name] = torch.from_numpy(arr.copy())
+  torch.save(tensors, os.path.join(directory, "pytorch_model.bin"))
+  os.remove(os.path.join(directory, "model.safetensors"))
+
+
+def test_pytorch_model_bin_loads_as_the_safetensors_draft(target, tmp_path):
+  pytest.importorskip("torch")
+  import shutil  # pylint: disable=g-import-not-at-top
+  export.export_eagle3(_draft(target), target, str(tmp_path / "st"))  # float32, with a layerwave block
+  _official_dir(str(tmp_path / "ost"), {"eagle_aux_hidden_state_layer_ids": [2, 3, 5]})  # bfloat16
+  for name in ("st", "ost"):
+    shutil.copytree(str(tmp_path / name), str(tmp_path / (name + "-bin")))
+    _to_torch_bin(str(tmp_path / (name + "-bin")))
+    assert sorted(os.listdir(tmp_path / (name + "-bin"))) == ["config.json", "pytorch_model.bin"]
+    want = layerwave.load_eagle3(str(tmp_path / name), target)
+    got = layerwave.load_draft(str(tmp_path / (name + "-bin")), target)
+    assert got.config == want.config
+    a, b = _state(want), _state(got)
+    assert a.keys() == b.keys()
+    for path in a:
+      assert a[path].dtype == b[path].dtype, path
+      np.testing.assert_array_equal(a[path], b[path], err_msg=f"{name}: {path}")
+
+
+def test_pytorch_model_bin_runs_no_code(target, tmp_path):
+  torch = pytest.importorskip("torch")
+  directory = tmp_path / "evil"
+  _official_dir(str(directory))
+  os.remove(directory / "model.safetensors")
+  torch.save({"fc.weight": torch.zeros(D, 3 * D), "payload": selection.LayerSelection(
+      ids=IDS, num_layers=L, hidden_size=D)}, str(directory / "pytorch_model.bin"))  # a pickled object
+  with pytest.raises(ValueError, match=r"weights_only=True\): .*LayerSelection.*does not unpickle"):
+    layerwave.load_eagle3(str(directory), target)
+  os.remove(directory / "pytorch_model.bin")
+  with pytest.raises(FileNotFoundError, match="No model.safetensors or pytorch_model.bin"):
+    layerwave.load_eagle3(str(directory), target)
+
+
+def test_pytorch_model_bin_without_torch(tmp_path):
+  """torch made unimportable inside a child process only: the error says what to install and why."""
+  directory = tmp_path / "bin"
+  directory.mkdir()
+  (directory / "pytorch_model.bin").write_bytes(b"not read")
+  script = ("import sys; sys.modules['torch'] = None\n"  # only in this child: `import torch` fails
+            "from layerwave import export\n"
+            "try:\n"
+            "  export.read_tensors(sys.argv[1])\n"
+            "except ImportError as e:\n"
+            "  print('ImportError:', e)\n")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", script, str(directory)], capture_output=True, text=True,
+                       cwd=repo, timeout=300, check=True)
+  assert "ImportError:" in run.stdout, run.stdout + run.stderr
+  assert "pytorch_model.bin is a pickled PyTorch checkpoint and torch is not installed" in run.stdout
+  assert "torch.load(weights_only=True" in run.stdout and "model.safetensors" in run.stdout
