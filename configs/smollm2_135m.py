@@ -123,6 +123,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.speculate.tree_tokens = 48
   c.speculate.draft_sample = False  # chain: sample drafts from q (T > 0) instead of argmax
   c.speculate.compare_ar = True  # also run layerwave.generate on the same prompts: speedup, equality
+  # Speedups (speculate.py, bench_speculative.py, compare.speedup): plain and speculative decoding of each
+  # batch timed in alternation (ABBA), this many pairs per batch after one warm-up; the median pair ratio.
+  c.speculate.timing_repeats = 3
 
   # -- layer-set comparison (experiments/compare_layers.py, layerwave.compare) --------------------
   # Every cell = one layer set x one seed, trained with `train` / `draft_model` / `data` (the same budget
@@ -142,7 +145,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.max_prompt_tokens = 256  # prompts longer than this are skipped
   c.compare.temperatures = "0,1"  # the first is the primary metric
   c.compare.max_new_tokens = 64
-  c.compare.speedup = False  # also time layerwave.generate (once) and each draft: speedup columns
+  c.compare.speedup = False  # speedup columns: plain vs speculative decoding, paired in every cell
   c.compare.keep_checkpoints = True  # False: delete each cell's checkpoints once its result is written
   c.compare.report_only = False  # only tabulate the finished cells (a partial or running comparison)
 

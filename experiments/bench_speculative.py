@@ -1,9 +1,11 @@
 """Speculative decoding benchmark: τ, acceptance by depth, tok/s and speedup over AR, in one process.
 
-For each dataset and temperature, AR decoding (`layerwave.generate`) and every drafting method (chain
-K ∈ {3, 5, 7} and the EAGLE-2 tree of `config.speculate`) decode the same prompts; speedup = spec tok/s ÷
-AR tok/s. Compilation is excluded (each shape is warmed up first). Writes `W/bench_speculative.json` and
-prints a markdown table (paste into BENCHMARKS.md).
+For each dataset, temperature and drafting method (chain K ∈ {3, 5, 7} and the EAGLE-2 tree of
+`config.speculate`), AR decoding (`layerwave.generate`) and speculation decode the same batches in
+alternation (`timing.paired_speedup`: `speculate.timing_repeats` ABBA pairs per batch, so a machine whose
+speed drifts during the run slows both sides of a pair alike); speedup = the median over the pairs of spec
+tok/s ÷ AR tok/s, with the pairs' [p25, p75]. Compilation is excluded (each shape is warmed up first).
+Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHMARKS.md).
 
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
@@ -46,32 +48,33 @@ def main(argv):
     items = speculate.prompts_for(config, target.tokenizer, None)
     for temp in (float(t) for t in _TEMPS.value):
       s.temperature = temp
-      ar_outs, _, ar_seconds, _ = speculate.decode_all(target, None, items, s, config.seed,
-                                                       speculative=False)
       for method in _METHODS.value:
         if method == "tree":
           s.method = "tree"
         else:
           s.method, s.num_draft_tokens = "chain", int(method.removeprefix("chain"))
-        summary, _, _ = speculate.evaluate(target, draft, items, s, config.seed,
-                                           (ar_outs, ar_seconds))
+        summary, _, _ = speculate.evaluate(target, draft, items, s, config.seed, paired=True)
         summary.update(dataset=dataset, temperature=temp, name=method)
         results.append(summary)
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s ar={summary['ar_tokens_per_s']:.1f} tok/s "
-              f"speedup={summary['speedup']:.2f}x", flush=True)
+              f"speedup={speculate.speedup_cell(summary)} ({summary['timing']})", flush=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   with open(os.path.join(_WORKDIR.value, "bench_speculative.json"), "w") as f:
     json.dump({"config": config.to_dict(), "machine": platform.machine(), "results": results}, f,
               indent=1, default=str)
   print(f"\ndraft: {config.draft}; max_new_tokens {s.max_new_tokens}; batch {s.batch_size}; tree "
         f"d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}; machine {platform.machine()}")
-  print("| dataset | T | method | τ | acceptance by depth | spec tok/s | AR tok/s | speedup | =AR |")
+  print(f"speedup: spec ÷ AR tokens/s of the same batch decoded back to back in alternation (ABBA), "
+        f"{s.timing_repeats} pairs per batch after a warm-up; the median over a row's pairs, [p25, p75] of "
+        "them; the tok/s columns are medians over the same pairs.")
+  print("| dataset | T | method | τ | acceptance by depth | spec tok/s | AR tok/s | speedup [p25, p75] "
+        "| =AR |")
   print("|" + "---|" * 9)
   for r in results:
     acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
     print(f"| {r['dataset']} | {r['temperature']:g} | {r['name']} | {r['tau']:.2f} | {acc} | "
-          f"{r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+          f"{r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | {speculate.speedup_cell(r)} | "
           f"{r['equal_to_ar']:.0%} |")
 
 

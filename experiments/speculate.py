@@ -7,7 +7,8 @@
 Reads `config.speculate` (dataset, sampling, chain or tree) and `config.draft` (a training workdir, or
 `random` for an untrained draft reading `config.layers` or EAGLE-3's default layers: a smoke run, τ ≈ 1).
 Prompts go through the target's chat template. With `compare_ar`, `layerwave.generate` decodes the same
-batches in the same process, giving the speedup and (greedy) a token-for-token equality check. Writes
+batches in alternation with speculation (`timing.paired_speedup`: `speculate.timing_repeats` ABBA pairs per
+batch), giving the speedup as the median pair ratio and (greedy) a token-for-token equality check. Writes
 `W/spec_metrics.json` (config, aggregate and per-batch metrics) and `W/spec_generations.jsonl`, and prints a
 table.
 """
@@ -31,6 +32,7 @@ from layerwave.data import chat
 from layerwave.data import sources
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.speculative import decode
+from layerwave.speculative import timing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where spec_metrics.json goes.")
@@ -67,40 +69,51 @@ def spec_options(s) -> dict[str, Any]:
               tree_top_k=s.tree_top_k, tree_tokens=s.tree_tokens, draft_sample=s.draft_sample)
 
 
-def decode_all(target, draft, items, s, seed: int, speculative: bool = True):
-  """Decodes `items` in batches of `s.batch_size` (after one warm-up call on the first batch).
+def decode_fns(target, draft, s, seed: int):
+  """(plain, speculative) decode functions, batch -> (outputs, metrics), with `s`'s sampling settings."""
+  sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
+  plain = lambda ids: layerwave.generate(  # noqa: E731
+      target, ids, s.max_new_tokens, **sampling, return_stats=True)
+  spec = lambda ids: layerwave.speculative.generate(  # noqa: E731
+      target, draft, ids, s.max_new_tokens, **sampling, **spec_options(s))
+  return plain, spec
+
+
+def evaluate(target, draft, items, s, seed: int, paired: bool) -> tuple[dict[str, Any], list, list]:
+  """Speculative metrics over `items` in batches of `s.batch_size`.
+
+  Args:
+    target, draft: the loaded target and draft.
+    items: (id, token ids) per prompt.
+    s: `config.speculate`.
+    seed: sampling seed.
+    paired: also decode every batch with `layerwave.generate`, timed in alternation with speculation
+      (`timing.paired_speedup`, `s.timing_repeats` pairs per batch): speedup (median pair ratio and its
+      spread), both tokens/s (medians over the pairs) and the share of outputs equal to plain decoding's.
+      Otherwise one warm-up, then one timed speculative call per batch.
 
   Returns:
-    (outputs per prompt, summed accept-length histogram or None, seconds, per-batch metrics).
+    (summary, speculative outputs per prompt, per-batch metrics).
   """
-  sampling = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=seed)
-  if speculative:
-    fn = lambda ids: layerwave.speculative.generate(  # noqa: E731
-        target, draft, ids, s.max_new_tokens, **sampling, **spec_options(s))
+  plain, spec = decode_fns(target, draft, s, seed)
+  prompts = [p for _, p in items]
+  if paired:
+    timed = timing.paired_speedup(plain, spec, prompts, int(s.batch_size), int(s.timing_repeats))
+    outs, hist, per_batch = timed.spec_outputs, timed.accept_length_hist, timed.per_batch
   else:
-    fn = lambda ids: layerwave.generate(  # noqa: E731
-        target, ids, s.max_new_tokens, **sampling, return_stats=True)
-  return decode.run_batches(fn, [p for _, p in items], int(s.batch_size))
-
-
-def evaluate(target, draft, items, s, seed: int, ar=None) -> tuple[dict[str, Any], list, list]:
-  """Speculative metrics over `items`; with `ar` = (AR outputs, AR seconds), speedup and equality too."""
-  outs, hist, seconds, per_batch = decode_all(target, draft, items, s, seed)
+    outs, hist, _, per_batch = decode.run_batches(spec, prompts, int(s.batch_size))
   summary = decode.acceptance_metrics(hist[None])
-  new_tokens = sum(len(o) for o in outs)
-  summary.update(prompts=len(outs), new_tokens=new_tokens, seconds=seconds,
-                 tokens_per_s=new_tokens / seconds)
-  if ar is not None:
-    ar_outs, ar_seconds = ar
-    ar_rate = sum(len(o) for o in ar_outs) / ar_seconds
-    summary.update(ar_seconds=ar_seconds, ar_tokens_per_s=ar_rate,
-                   speedup=summary["tokens_per_s"] / ar_rate,
-                   equal_to_ar=float(np.mean([a == b for a, b in zip(outs, ar_outs)])))
+  seconds = sum(r["seconds"] for r in per_batch)
+  summary.update(prompts=len(outs), new_tokens=sum(len(o) for o in outs), seconds=seconds,
+                 tokens_per_s=sum(len(o) for o in outs) / seconds)
+  if paired:
+    summary.update(timed.summary(), ar_seconds=sum(r["plain_seconds"] for r in per_batch),
+                   equal_to_ar=float(np.mean([a == b for a, b in zip(outs, timed.plain_outputs)])))
   return summary, outs, per_batch
 
 
 def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
-  """Decodes every prompt speculatively (and with AR when `compare_ar`); returns the aggregate metrics."""
+  """Decodes every prompt speculatively (paired with AR when `compare_ar`); returns the aggregate metrics."""
   sharding.maybe_initialize_distributed(config.distributed)
   s = config.speculate
   target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
@@ -108,11 +121,7 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
     raise ValueError(f"{config.model} has no tokenizer chat template; cannot build chat prompts.")
   draft = load_draft(config, target)
   items = prompts_for(config, target.tokenizer, prompt)
-  ar = None
-  if s.compare_ar:
-    ar_outs, _, ar_seconds, _ = decode_all(target, None, items, s, config.seed, speculative=False)
-    ar = (ar_outs, ar_seconds)
-  summary, outs, per_batch = evaluate(target, draft, items, s, config.seed, ar)
+  summary, outs, per_batch = evaluate(target, draft, items, s, config.seed, bool(s.compare_ar))
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "spec_metrics.json"), "w") as f:
     json.dump({"config": config.to_dict(), "spec": summary, "batches": per_batch}, f, indent=1,
@@ -127,17 +136,27 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   return summary
 
 
+def speedup_cell(m: dict[str, Any]) -> str:
+  """The speedup as a table cell: the median pair ratio and [p25, p75] of the pairs."""
+  return f"{m['speedup']:.2f}x [{m['speedup_p25']:.2f}, {m['speedup_p75']:.2f}]"
+
+
 def table(m: dict[str, Any], s) -> str:
-  """A one-row markdown table of the aggregate metrics."""
+  """A one-row markdown table of the aggregate metrics, with how the speedup was timed below it."""
   name = s.method + (f" K={s.num_draft_tokens}" if s.method == "chain" else
                      f" d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}")
   acc = " ".join(f"{a:.2f}" for a in m["acceptance"])
-  head = "| method | T | prompts | τ | acceptance by depth | spec tok/s | AR tok/s | speedup | =AR |"
-  ar = (f"{m['ar_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['equal_to_ar']:.0%}"
+  head = ("| method | T | prompts | τ | acceptance by depth | spec tok/s | AR tok/s | speedup [p25, p75] "
+          "| =AR |")
+  ar = (f"{m['ar_tokens_per_s']:.1f} | {speedup_cell(m)} | {m['equal_to_ar']:.0%}"
         if "speedup" in m else "- | - | -")
-  return "\n".join([head, "|" + "---|" * 9,
-                    f"| {name} | {s.temperature:g} | {m['prompts']} | {m['tau']:.2f} | {acc} | "
-                    f"{m['tokens_per_s']:.1f} | {ar} |"])
+  lines = [head, "|" + "---|" * 9,
+           f"| {name} | {s.temperature:g} | {m['prompts']} | {m['tau']:.2f} | {acc} | "
+           f"{m['tokens_per_s']:.1f} | {ar} |"]
+  if "speedup" in m:
+    lines.append(f"\nspeedup = spec ÷ AR tokens/s, {m['timing'].removeprefix('paired: ')}; the tok/s columns "
+                 "are medians over the same pairs.")
+  return "\n".join(lines)
 
 
 def main(argv):

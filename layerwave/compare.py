@@ -11,9 +11,10 @@ Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last
 3. cells, one per (layer set, seed): a draft trained with the same budget (`config.train`,
    `config.draft_model`, `config.data`) and seed, then speculative decoding on held-out MT-bench, HumanEval
    and GSM8K prompts at each temperature (τ per dataset, per-depth acceptance; with `compare.speedup`, the
-   speedup against `layerwave.generate` on the same prompts). Each cell writes `W/cells/<ids>/seed<s>/
-   result.json` when done; a rerun skips finished cells and resumes an interrupted training from its
-   checkpoint. A workdir written under a different config is refused;
+   speedup against `layerwave.generate`, both timed in alternation on the same batches inside the cell:
+   `timing.paired_speedup`). Each cell writes `W/cells/<ids>/seed<s>/result.json` when done; a rerun
+   skips finished cells and resumes an interrupted training from its checkpoint. A workdir written under a
+   different config is refused;
 4. the table (`summarize`): mean ± 95 % CI over seeds per set, the paired difference against the baseline,
    and the Spearman correlation between the selection objective and τ across sets → `W/results.json`,
    `W/results.md`, `W/plots/compare.png`.
@@ -198,6 +199,8 @@ def fingerprint(config) -> tuple[str, dict]:
     d.get("train", {}).pop(key, None)
   for key in ("draft", "layers", "selection", "seed"):
     d.pop(key, None)
+  if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
+    d.get("speculate", {}).pop("timing_repeats", None)
   text = json.dumps(d, sort_keys=True)
   return hashlib.sha256(text.encode()).hexdigest()[:16], d
 
@@ -295,69 +298,46 @@ def _temp_key(t: float) -> str:
   return f"T{t:g}"
 
 
-def ar_reference(target, prompts, config, width: int, workdir: str) -> dict[str, Any]:
-  """`layerwave.generate` on the same prompts (speed and greedy outputs), computed once per workdir."""
-  import layerwave  # pylint: disable=g-import-not-at-top
-  from layerwave.speculative import decode  # pylint: disable=g-import-not-at-top
-  path = os.path.join(workdir, "ar_reference.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  kw = _spec_kwargs(config, width)
-  out = {}
-  for t in temperatures_of(config.compare):
-    for name, ps in prompts.items():
-      fn = lambda ids, t=t: layerwave.generate(  # noqa: E731
-          target, ids, kw["max_new_tokens"], temperature=t, top_k=kw["top_k"], top_p=kw["top_p"],
-          seed=0, prompt_width=width, return_stats=True)
-      outs, _, seconds, _ = decode.run_batches(fn, ps, int(config.speculate.batch_size))
-      tokens = sum(len(o) for o in outs)
-      out[f"{_temp_key(t)}/{name}"] = {"seconds": seconds, "new_tokens": tokens,
-                                       "tokens_per_s": tokens / seconds, "outputs": outs}
-  report.write_json(path, out)
-  return out
-
-
 def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
-                   ar: dict[str, Any] | None = None) -> dict[str, Any]:
-  """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`."""
+                   speedup: bool = False) -> dict[str, Any]:
+  """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`.
+
+  With `speedup`, plain decoding (`layerwave.generate`) and speculation decode each batch in alternation
+  (`timing.paired_speedup`, `speculate.timing_repeats` pairs per batch): the speedup is the median of the
+  per-pair tokens/s ratios, with its quartiles, and at T = 0 the outputs are compared token for token.
+  """
   import layerwave  # pylint: disable=g-import-not-at-top
   from layerwave.speculative import decode  # pylint: disable=g-import-not-at-top
+  from layerwave.speculative import timing  # pylint: disable=g-import-not-at-top
   kw = _spec_kwargs(config, width)
+  batch_size = int(config.speculate.batch_size)
   result = {}
   for t in temperatures_of(config.compare):
-    pooled, pooled_tokens, pooled_seconds = None, 0, 0.0
+    runs = {}  # dataset -> (outputs, summed accept-length histogram, PairedTiming or None)
     for name, ps in prompts.items():
-      fn = lambda ids, t=t: layerwave.speculative.generate(  # noqa: E731
+      spec = lambda ids, t=t: layerwave.speculative.generate(  # noqa: E731
           target, draft, ids, temperature=t, seed=seed, **kw)
-      outs, hist, seconds, _ = decode.run_batches(fn, ps, int(config.speculate.batch_size),
-                                                  warmup=ar is not None)
+      if speedup:
+        plain = lambda ids, t=t: layerwave.generate(  # noqa: E731
+            target, ids, kw["max_new_tokens"], temperature=t, top_k=kw["top_k"], top_p=kw["top_p"],
+            seed=seed, prompt_width=width, return_stats=True)
+        timed = timing.paired_speedup(plain, spec, ps, batch_size, int(config.speculate.timing_repeats))
+        runs[name] = (timed.spec_outputs, timed.accept_length_hist, timed)
+      else:
+        outs, hist, _, _ = decode.run_batches(spec, ps, batch_size, warmup=False)
+        runs[name] = (outs, hist, None)
+    runs["all"] = ([o for r in runs.values() for o in r[0]], sum(r[1] for r in runs.values()),
+                   timing.combine([r[2] for r in runs.values()]) if speedup else None)
+    for name, (outs, hist, timed) in runs.items():
       m = decode.acceptance_metrics(hist[None])
-      tokens = sum(len(o) for o in outs)
       row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
-             "new_tokens": tokens, "accept_length_hist": hist.tolist()}
-      key = f"{_temp_key(t)}/{name}"
-      if ar is not None:
-        ref = ar[key]
-        row.update(tokens_per_s=tokens / seconds, speedup=(tokens / seconds) / ref["tokens_per_s"])
+             "new_tokens": sum(len(o) for o in outs), "accept_length_hist": hist.tolist()}
+      if timed is not None:
+        row.update(timed.summary())
         if t == 0:
-          row["equal_to_ar"] = float(np.mean([a == b for a, b in zip(outs, ref["outputs"])]))
-        pooled_seconds += seconds
-      result[key] = row
-      pooled = hist if pooled is None else pooled + hist
-      pooled_tokens += tokens
-    m = decode.acceptance_metrics(pooled[None])
-    row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
-           "new_tokens": pooled_tokens}
-    if ar is not None:
-      if t == 0:
-        rows = [result[f"{_temp_key(t)}/{n}"] for n in prompts]
-        row["equal_to_ar"] = float(sum(r["equal_to_ar"] * len(prompts[n]) for r, n in zip(rows, prompts))
-                                   / sum(len(p) for p in prompts.values()))
-      ar_tokens = sum(ar[f"{_temp_key(t)}/{n}"]["new_tokens"] for n in prompts)
-      ar_seconds = sum(ar[f"{_temp_key(t)}/{n}"]["seconds"] for n in prompts)
-      row["speedup"] = (pooled_tokens / pooled_seconds) / (ar_tokens / ar_seconds)
-    result[f"{_temp_key(t)}/all"] = row
+          pairs = zip(timed.spec_outputs, timed.plain_outputs)
+          row["equal_to_ar"] = float(np.mean([a == b for a, b in pairs]))
+      result[f"{_temp_key(t)}/{name}"] = row
   return result
 
 
@@ -414,8 +394,6 @@ def run(config, workdir: str) -> dict[str, Any]:
   prompts = eval_prompts(cmp, target.tokenizer)
   width = max(len(p) for ps in prompts.values() for p in ps)
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
-  ar = (ar_reference(target, prompts, config, width, workdir)
-        if cmp.speedup and not cmp.report_only else None)
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
   cells = [(s, seed) for seed in seeds for s in unique.values()]
   results: dict[tuple[str, int], dict] = {}
@@ -439,7 +417,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
                  ", ".join(prompts))
     draft = layerwave.load_draft(cell_dir, target)
-    evaluation = evaluate_draft(target, draft, prompts, config, width, seed, ar)
+    evaluation = evaluate_draft(target, draft, prompts, config, width, seed, bool(cmp.speedup))
     result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
     report.write_json(path, result)
@@ -458,7 +436,8 @@ def run(config, workdir: str) -> dict[str, Any]:
                               "max_new_tokens": int(cmp.max_new_tokens),
                               "temperatures": temperatures_of(cmp), "method": config.speculate.method,
                               "num_draft_tokens": int(config.speculate.num_draft_tokens),
-                              "batch_size": int(config.speculate.batch_size)}
+                              "batch_size": int(config.speculate.batch_size),
+                              "timing_repeats": int(config.speculate.timing_repeats)}
   table = markdown_table(summary)
   report.write_json(os.path.join(workdir, "results.json"), summary)
   _write_text(os.path.join(workdir, "results.md"), table + "\n")
@@ -512,7 +491,8 @@ def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], se
   temps = [_temp_key(t) for t in temperatures_of(compare)]
   names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
   if compare.speedup:
-    names += [f"speedup:{t}/all" for t in temps]
+    names += [f"{f}:{t}/all" for t in temps for f in ("speedup", "speedup_p25", "speedup_p75",
+                                                       "timing_pairs")]
     names += [f"equal_to_ar:{t}/all" for t in temps if t == "T0"]
   baseline = next(s for s in sets if s.name == compare.baseline)
   rows = []
@@ -556,6 +536,15 @@ def _fmt(m: dict, signed: bool = False) -> str:
   return mean + (f" ± {m['ci95']:.3f}" if np.isfinite(m["ci95"]) else "")
 
 
+def _fmt_speedup(metrics: dict, name: str) -> str:
+  """A speedup cell: with one seed, the cell's median and the [p25, p75] of its timed pairs."""
+  m = metrics[name]
+  p25, p75 = (metrics.get(name.replace("speedup:", f"speedup_{q}:"), {}) for q in ("p25", "p75"))
+  if m.get("n") == 1 and p25.get("n") == 1 and p75.get("n") == 1:
+    return f"{m['mean']:.2f} [{p25['mean']:.2f}, {p75['mean']:.2f}]"
+  return _fmt(m)
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
   """The comparison as markdown: one row per set, sorted by the primary τ."""
   primary = summary["primary"]
@@ -584,13 +573,20 @@ def markdown_table(summary: dict[str, Any]) -> str:
     cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
     cells += [_fmt(r["metrics"][m]) for m in others]
     cells += [_fmt(r["metrics"]["sim_tau"])]
-    cells += [_fmt(r["metrics"][m]) for m in speed]
+    cells += [_fmt_speedup(r["metrics"], m) for m in speed]
     cells += [f"{r['metrics'][m]['mean']:.0%}" if r["metrics"][m]["n"] else "–" for m in equal]
     lines.append("| " + " | ".join(cells) + " |")
   corr = summary["spearman_objective"]
   notes = [f"\nMean ± 95 % CI (Student t) over seeds {summary['seeds']}; Δτ is the paired difference against "
            f"`{summary['baseline']}` (same seed). τ = new tokens per target verification (bonus token "
            "included)."]
+  if speed:
+    pairs = sorted({int(v) for r in summary["rows"] for m in speed
+                    for v in r["metrics"].get(m.replace("speedup:", "timing_pairs:"), {}).get("values", [])})
+    notes.append(f"Speedup = speculative ÷ plain decoding tokens/s, timed in alternation on the same batches "
+                 f"inside each cell (ABBA order, compilation excluded): per cell the median of "
+                 f"{'/'.join(map(str, pairs)) or '–'} pair ratios, [p25, p75] of the pairs with one seed, "
+                 "mean ± 95 % CI of the cells' medians with more.")
   for m, c in corr.items():
     if c["num_sets"] < 3:
       notes.append(f"Spearman(selection objective, {m}): needs at least 3 distinct sets ({c['num_sets']} here).")

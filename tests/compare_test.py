@@ -176,6 +176,84 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
     compare.check_workdir(str(tmp_path), other)
 
 
+def test_timing_repeats_fix_the_cells_only_when_speedups_are_timed(tmp_path):
+  config = _config()  # :smoke times speedups
+  compare.check_workdir(str(tmp_path / "timed"), config)
+  other = _config()
+  other.speculate.timing_repeats = 5
+  with pytest.raises(ValueError, match=r"speculate\.timing_repeats"):
+    compare.check_workdir(str(tmp_path / "timed"), other)
+  untimed = _config()
+  untimed.compare.speedup = False
+  del untimed.speculate.timing_repeats  # a workdir recorded before the field existed
+  compare.check_workdir(str(tmp_path / "untimed"), untimed)
+  resumed = _config()
+  resumed.compare.speedup = False
+  resumed.speculate.timing_repeats = 7
+  compare.check_workdir(str(tmp_path / "untimed"), resumed)  # nothing is timed: the same cells
+
+
+def _timed_eval(speedup, p25, p75, pairs=3):
+  row = {"tau": 1.2, "acceptance": [0.2], "speedup": speedup, "speedup_p25": p25, "speedup_p75": p75,
+         "timing_pairs": pairs, "equal_to_ar": 1.0}
+  return {"train": {"heldout_sim_tau": 1.1}, "eval": {"T0/mtbench": row, "T0/all": row}}
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_table_says_how_speedups_were_timed(seeds):
+  cfg = _compare(sets="eagle3,exhaustive", lams="", num_random=0, manual="", speedup=True, temperatures="0",
+                 seeds=seeds)
+  sets = compare.layer_sets(_record(), cfg)
+  results = {(s.key, seed): _timed_eval(0.5 + 0.1 * seed, 0.45 + 0.1 * seed, 0.6 + 0.1 * seed)
+             for s in sets for seed in range(seeds)}
+  summary = compare.summarize(sets, results, list(range(seeds)), cfg, {"mtbench": None})
+  row = summary["rows"][0]["metrics"]
+  assert row["speedup:T0/all"]["mean"] == pytest.approx(0.5 + 0.1 * (seeds - 1) / 2)
+  assert row["timing_pairs:T0/all"]["values"] == [3] * seeds
+  table = compare.markdown_table(summary)
+  assert "timed in alternation on the same batches inside each cell" in table
+  assert "the median of 3 pair ratios, [p25, p75] of the pairs with one seed" in table
+  line = next(l for l in table.splitlines() if l.startswith("| **eagle3**"))
+  if seeds == 1:
+    assert line.endswith("| 0.50 [0.45, 0.60] | 100% |")
+  else:  # between-seed spread instead
+    assert "| 0.600 ± 0.248 | 100% |" in line and "[" not in line
+
+
+def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
+  import layerwave  # pylint: disable=g-import-not-at-top
+  log = []
+
+  def plain(target, ids, max_new_tokens, **kw):
+    log.append(("plain", len(ids)))
+    assert kw["return_stats"] and kw["temperature"] == 0 and kw["prompt_width"] == 9
+    return [[7] * 4 for _ in ids], {"steps": 4}
+
+  def spec(target, draft, ids, temperature, seed, max_new_tokens, **kw):
+    log.append(("spec", len(ids)))
+    out = [[7] * 4 if p[0] != 3 else [8] * 4 for p in ids]  # prompt [3] differs from plain decoding
+    return out, {"accept_length_hist": [len(ids), 1, 0, 0], "tau": 1.2, "verify_calls": len(ids) + 1}
+
+  monkeypatch.setattr(layerwave, "generate", plain)
+  monkeypatch.setattr(layerwave.speculative, "generate", spec)
+  config = _config()
+  config.compare.temperatures = "0"
+  prompts = {"mtbench": [[1, 2], [3], [4, 5, 6]], "gsm8k": [[5]]}  # batch_size 2: batches 2+1, then 1
+  result = compare.evaluate_draft(None, None, prompts, config, 9, 0, speedup=True)
+  names = [n for n, _ in log]
+  warm, pairs = ["plain", "spec"], ["plain", "spec", "spec", "plain", "plain", "spec"]
+  assert names[:2 + 6] == warm + pairs and len(names) == 3 * (2 + 6)
+  mt, gsm, pooled = result["T0/mtbench"], result["T0/gsm8k"], result["T0/all"]
+  assert (mt["timing_pairs"], gsm["timing_pairs"], pooled["timing_pairs"]) == (6, 3, 9)
+  assert mt["speedup_p25"] <= mt["speedup"] <= mt["speedup_p75"] and "ABBA" in mt["timing"]
+  assert mt["equal_to_ar"] == pytest.approx(2 / 3) and pooled["equal_to_ar"] == pytest.approx(3 / 4)
+  assert mt["accept_length_hist"] == [3, 2, 0, 0] and pooled["accept_length_hist"] == [4, 3, 0, 0]
+  log.clear()
+  untimed = compare.evaluate_draft(None, None, prompts, config, 9, 0, speedup=False)
+  assert {n for n, _ in log} == {"spec"} and len(log) == 3 and "speedup" not in untimed["T0/all"]
+  assert untimed["T0/all"]["tau"] == pooled["tau"]
+
+
 def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
   workdir = str(tmp_path / "w")
   base = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py"),
@@ -191,16 +269,21 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
     assert 1.0 <= tau <= 1 + 3  # K = 3 drafted tokens + the bonus
     assert len(r["acceptance"]) == 3
     assert r["metrics"]["speedup:T0/all"]["mean"] > 0
+    assert r["metrics"]["timing_pairs:T0/all"]["values"] == [3]  # one batch of 2 prompts, 3 repeats
     assert r["metrics"]["equal_to_ar:T0/all"]["mean"] == 1.0
   with open(os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")) as f:
     cell = json.load(f)
   assert cell["eval"]["T0/mtbench"]["equal_to_ar"] == 1.0  # greedy speculative output == plain decoding
+  timed = cell["eval"]["T0/mtbench"]
+  assert timed["speedup_p25"] <= timed["speedup"] <= timed["speedup_p75"]
+  assert timed["timing"].startswith("paired: median of 3 interleaved (ABBA) pairs")
   cells = [os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")]
   stamp = os.path.getmtime(cells[0])
   with open(os.path.join(workdir, "plots", "compare.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with open(os.path.join(workdir, "results.md")) as f:
-    assert "| **eagle3** | 2,15,27 |" in f.read()
+    table = f.read()
+  assert "| **eagle3** | 2,15,27 |" in table and "the median of 3 pair ratios" in table
   # Rerun with one more manual set: finished cells are skipped, only the new one trains.
   grown = subprocess.run(base + ["--config.compare.manual=27,28,29"], check=True, cwd=ROOT, timeout=600,
                          capture_output=True, text=True)

@@ -363,7 +363,9 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
 
   `fn` is `layerwave.generate` (with `return_stats=True`) or `layerwave.speculative.generate` bound to a
   target, draft and settings. With `warmup`, the first batch is decoded once first so that compilation stays
-  outside the clock.
+  outside the clock. Its seconds are one function's throughput at the time it ran, not a speedup: dividing
+  them by another run's seconds compares two states of the machine. Speedups come from
+  `layerwave.speculative.timing.paired_speedup`, which times both on the same batches in alternation.
 
   Returns:
     (outputs per prompt, summed `accept_length_hist` or None for plain decoding, decode seconds,
