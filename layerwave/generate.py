@@ -14,6 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax import struct
 
 from layerwave import sharding
@@ -63,8 +64,7 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
               params_, eos_ids):
   """Jitted prefill + decode loop. Returns generated tokens `[B, max_new_tokens]` and the step count."""
   b, width = tokens.shape
-  dtype = params_dtype(params)
-  cache = new_cache(config, b, slots, dtype, mesh)
+  cache = new_cache(config, b, slots, compute_dtype(graphdef, params), mesh)
   valid = (jnp.arange(width)[None, :] < lengths[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(graphdef, params, tokens, positions, causal_mask(valid), cache,
@@ -94,12 +94,12 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
   return state.tokens, state.step
 
 
-def params_dtype(params):
-  return jax.tree.leaves(params)[0].dtype
+def compute_dtype(graphdef, params):
+  """The compute dtype a model was built with (`Transformer` / `Draft`): the dtype of its KV cache."""
+  return nnx.merge(graphdef, params).compute_dtype
 
 
 def logits_fn(graphdef, params):
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   return nnx.merge(graphdef, params).logits
 
 

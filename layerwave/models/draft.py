@@ -150,6 +150,9 @@ class Draft(nnx.Module):
   def __init__(self, config: DraftConfig, embedding: Array | None = None, *, dtype=jnp.float32,
                rngs: nnx.Rngs):
     self.config = config
+    # Static (in the graphdef): the dtype of the KV cache. Not read off the parameters, whose first leaf
+    # may be the int32 `d2t` table.
+    self.compute_dtype = jnp.dtype(dtype)
     c = config.model
     k, big_d = len(config.layer_ids), config.target_hidden_size
     self.fc = layers.Linear(k * big_d, c.hidden_size, dtype=dtype, rngs=rngs)

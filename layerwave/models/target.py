@@ -39,6 +39,15 @@ class KVCache:
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
+    """Empty buffers in `dtype`, the compute dtype of the model that writes them (`Model.compute_dtype`).
+
+    Raises:
+      TypeError: for a non-floating dtype: keys and values written into an integer buffer are truncated
+        toward zero without an error (the draft cache was once sized from an int32 vocabulary table).
+    """
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      raise TypeError(f"A KV cache must have a floating dtype, got {jnp.dtype(dtype)}: pass the model's "
+                      "compute dtype (`model.compute_dtype`), not the dtype of an arbitrary parameter.")
     shape = (batch, slots, config.num_kv_heads, config.head_dim)
     return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
                values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
@@ -149,6 +158,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
+    self.compute_dtype = jnp.dtype(dtype)  # static (in the graphdef): the KV cache's dtype
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                   param_dtype=dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)

@@ -38,8 +38,8 @@ from flax import nnx
 from flax import struct
 
 from layerwave import sharding
-from layerwave.generate import (logits_fn, cache_slots, check_lengths, cut_after_eos, is_eos,
-                                params_dtype)
+from layerwave.generate import (logits_fn, cache_slots, check_lengths, compute_dtype, cut_after_eos,
+                                is_eos)
 from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models.target import KVCache, _write, causal_mask
@@ -140,6 +140,7 @@ class SpecState:
       features of the selected layers; the next draft starts from it.
     rng: PRNG key.
     accept_hist: `[B, D+1]` per row, how many verifications accepted m = 0..D drafted tokens.
+    accept_trace: `[B, max_new_tokens]` per row, m of verification i at index i (-1 once the row is done).
   """
 
   step: jax.Array
@@ -153,6 +154,7 @@ class SpecState:
   h: jax.Array
   rng: jax.Array
   accept_hist: jax.Array
+  accept_trace: jax.Array
 
 
 def trace_count() -> int:
@@ -235,8 +237,8 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
   b, width = tokens.shape
   depth = options.max_depth
   draft = nnx.merge(draft_graphdef, draft_params)
-  target_cache = new_cache(config, b, slots, params_dtype(target_params), mesh)
-  draft_cache = new_cache(draft.config.model, b, slots, params_dtype(draft_params), mesh)
+  target_cache = new_cache(config, b, slots, compute_dtype(target_graphdef, target_params), mesh)
+  draft_cache = new_cache(draft.config.model, b, slots, draft.compute_dtype, mesh)
   valid = (jnp.arange(width)[None, :] < lengths[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(target_graphdef, target_params, tokens, positions, causal_mask(valid),
@@ -254,7 +256,8 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
       tokens=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32).at[:, 0].set(first),
       out_len=jnp.ones((b,), jnp.int32), last=first, lengths=lengths,
       done=is_eos(first, eos_ids) | (max_new_tokens <= 1), target_cache=out.cache,
-      draft_cache=draft_cache, h=h, rng=rng, accept_hist=jnp.zeros((b, depth + 1), jnp.int32))
+      draft_cache=draft_cache, h=h, rng=rng, accept_hist=jnp.zeros((b, depth + 1), jnp.int32),
+      accept_trace=jnp.full((b, max_new_tokens), -1, jnp.int32))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
@@ -291,7 +294,10 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
         lengths=jnp.where(active, s.lengths + n_new, s.lengths),
         done=s.done | (active & (hit_eos | (out_len >= max_new_tokens))),
         target_cache=target_cache, draft_cache=draft_cache, h=jnp.where(active[:, None], h, s.h),
-        rng=rng, accept_hist=s.accept_hist + (active[:, None] & (j == acc.num_accepted[:, None])))
+        rng=rng, accept_hist=s.accept_hist + (active[:, None] & (j == acc.num_accepted[:, None])),
+        # Each iteration emits >= 1 token per active row, so fewer than max_new_tokens iterations run.
+        accept_trace=s.accept_trace.at[:, s.step].set(jnp.where(active, acc.num_accepted, -1),
+                                                      mode="drop"))
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -320,7 +326,8 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
     (one list of new tokens per prompt, cut after its first EOS; metrics dict with `tau` (new tokens per
     verification, bonus included), `acceptance` (per depth i, the rate at which a drafted token at depth
     i + 1 was accepted given its path so far was), `accept_length_hist`, `verify_calls`, `steps`,
-    `new_tokens`, `seconds` (wall time, compilation included on the first call), `tokens_per_s`).
+    `new_tokens`, `seconds` (wall time, compilation included on the first call), `tokens_per_s`,
+    `accept_lengths` (per prompt, the drafted tokens accepted by each of its verifications, in order)).
   """
   params_ = SamplingParams(float(temperature), int(top_k), float(top_p))
   unknown = set(draft_options) - {f.name for f in dataclasses.fields(SpecOptions)}
@@ -348,13 +355,15 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
       config=config, mesh=target.mesh, layer_ids=tuple(loaded.config.layer_ids),
       max_new_tokens=int(max_new_tokens), slots=slots, params_=params_, options=options,
       eos_ids=eos_ids)
-  out, hist, steps = jax.device_get((state.tokens, state.accept_hist, state.step))
+  out, hist, trace, steps = jax.device_get((state.tokens, state.accept_hist, state.accept_trace,
+                                            state.step))
   seconds = time.perf_counter() - start
   result = cut_after_eos(np.asarray(out)[:n], int(max_new_tokens), eos_ids)
   metrics = acceptance_metrics(np.asarray(hist)[:n])
   new_tokens = sum(len(r) for r in result)
   metrics.update(steps=int(steps), new_tokens=new_tokens, seconds=seconds,
-                 tokens_per_s=new_tokens / seconds, method=options.method)
+                 tokens_per_s=new_tokens / seconds, method=options.method,
+                 accept_lengths=[[int(m) for m in row if m >= 0] for row in np.asarray(trace)[:n]])
   return result, metrics
 
 
