@@ -28,6 +28,7 @@ from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import losses
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
 
@@ -172,8 +173,12 @@ def _evaluate(source, config, target, state, vocab, embed, graphdef, kwargs) -> 
   if not n:
     return {}
   mean = jax.tree.map(lambda x: np.asarray(x) / n, sums)
-  mean["sim_tau"] = float(1.0 + np.sum(np.cumprod(mean["acc_j"])))
-  mean.pop("tokens", None)
+  # Accuracies pooled over tokens (not a mean of per-batch ratios); out-of-vocabulary targets are misses.
+  mean["acc_j"] = sums["hits_j"] / np.maximum(sums["tokens_j"], 1.0)
+  mean["acc_in_vocab_j"] = sums["hits_j"] / np.maximum(sums["in_vocab_j"], 1.0)
+  mean["sim_tau"] = float(losses.simulated_tau(mean["acc_j"]))
+  for count in ("tokens", "hits_j", "tokens_j", "in_vocab_j"):
+    mean.pop(count, None)
   return mean
 
 
@@ -261,7 +266,8 @@ def run(config, workdir: str) -> dict[str, Any]:
     if heldout is not None and (done % int(t.eval_every) == 0 or done == int(t.num_steps)):
       last = _evaluate(heldout, config, target, state, vocab, embed, graphdef, kwargs)
       scalars = metrics_lib.flatten("eval", {"loss": last["loss"], "sim_tau": last["sim_tau"]})
-      scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"]}))
+      scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"],
+                                                        "acc_in_vocab_j": last["acc_in_vocab_j"]}))
       writer.write_scalars(done, scalars)
     if done % int(t.checkpoint_every) == 0 or done == stop:
       ckpt.save(done, state, vocab, {**base_meta, "step": done,
@@ -272,6 +278,7 @@ def run(config, workdir: str) -> dict[str, Any]:
             "tokens_per_s": tokens_seen / max(time.perf_counter() - tic, 1e-9)}
   if last:
     result.update({"heldout_acc": [float(a) for a in last["acc_j"]],
+                   "heldout_acc_in_vocab": [float(a) for a in last["acc_in_vocab_j"]],
                    "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"])})
   return result
 

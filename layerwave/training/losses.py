@@ -5,7 +5,11 @@ positions, with the input tokens shifted by one more token and RoPE positions of
 position t reads token x_{t+1+j} and is trained towards the target's distribution over x_{t+2+j} (the
 target's logits at position t+1+j), restricted to the draft vocabulary and renormalised, by soft
 cross-entropy. Positions whose target argmax lies outside the draft vocabulary, padding, and (by flag)
-non-assistant tokens are masked. Total = Σ_j decay^j L_j.
+non-assistant tokens are masked from the loss. Total = Σ_j decay^j L_j.
+
+The accuracy `acc_j` counts every predictable position, and a position whose target argmax is outside the
+draft vocabulary as a miss: such a token can never be drafted, so it can never be accepted (as EAGLE-3 and
+SpecForge count it). `acc_in_vocab_j` is the same agreement over in-vocabulary positions only.
 
 Legend: B batch, T tokens, k selected layers, D target width, V / V_d target / draft vocabulary, N steps.
 """
@@ -45,7 +49,10 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
     decay: weight of step j is decay**j.
 
   Returns:
-    (scalar loss, metrics dict with per-step `loss_j`, `acc_j` and `tokens_j` arrays `[N]`).
+    (scalar loss, metrics dict of per-step arrays `[N]`: `loss_j`; `acc_j` = `hits_j / tokens_j`, top-1
+    agreement with the target's full-vocabulary argmax over every predictable position (out-of-vocabulary
+    targets are misses); `acc_in_vocab_j` over the `in_vocab_j` positions whose target argmax is in the
+    draft vocabulary (the loss's positions)).
   """
   _, t = tokens.shape
   pad = steps + 1
@@ -60,21 +67,23 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
 
   def step_terms(j, h_logits):
     tgt = _shift(logp_p, j + 1, t)  # target at position t+1+j predicts x_{t+2+j}
-    mask = (_shift(predictable_p, j + 2, t) & _shift(in_vocab_p, j + 1, t)).astype(jnp.float32)
+    counted = _shift(predictable_p, j + 2, t).astype(jnp.float32)
+    mask = counted * _shift(in_vocab_p, j + 1, t).astype(jnp.float32)
     logq = jax.nn.log_softmax(h_logits, axis=-1)
     ce = -jnp.sum(jnp.exp(tgt) * logq, axis=-1)
     n = jnp.sum(mask)
     loss = jnp.sum(ce * mask) / jnp.maximum(n, 1.0)
-    agree = (jnp.argmax(h_logits, -1) == jnp.argmax(tgt, -1)).astype(jnp.float32)
-    acc = jnp.sum(agree * mask) / jnp.maximum(n, 1.0)
-    return loss, acc, n
+    # Within the draft vocabulary the restricted argmax is the full one; outside it (mask = 0) the
+    # draft's token can never equal the target's, so those positions count as misses.
+    hits = jnp.sum((jnp.argmax(h_logits, -1) == jnp.argmax(tgt, -1)).astype(jnp.float32) * mask)
+    return loss, jnp.stack([hits, jnp.sum(counted), n])
 
   g = draft.fuse(features)
   diag = draft.ttt_init(tokens.shape[0], t, steps, dtype=g.dtype)
   zero = jnp.asarray(0, jnp.int32)
   h, logits, base, diag = draft.ttt_step(g, _shift(tokens_p, 1, t), positions, zero, None, diag,
                                          key_mask)
-  loss0, acc0, n0 = step_terms(zero, logits)
+  loss0, counts0 = step_terms(zero, logits)
 
   def body(carry, j):
     h, diag = carry
@@ -83,15 +92,17 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
     return (h, diag), step_terms(j, logits)
 
   if steps > 1:
-    _, (losses, accs, ns) = jax.lax.scan(body, (h, diag), jnp.arange(1, steps, dtype=jnp.int32))
+    _, (losses, counts) = jax.lax.scan(body, (h, diag), jnp.arange(1, steps, dtype=jnp.int32))
     losses = jnp.concatenate([loss0[None], losses])
-    accs = jnp.concatenate([acc0[None], accs])
-    ns = jnp.concatenate([n0[None], ns])
+    counts = jnp.concatenate([counts0[None], counts])
   else:
-    losses, accs, ns = loss0[None], acc0[None], n0[None]
+    losses, counts = loss0[None], counts0[None]
+  hits, tokens_j, in_vocab_j = counts[:, 0], counts[:, 1], counts[:, 2]
   weights = decay ** jnp.arange(steps, dtype=jnp.float32)
   total = jnp.sum(weights * losses)
-  return total, {"loss_j": losses, "acc_j": accs, "tokens_j": ns}
+  return total, {"loss_j": losses, "acc_j": hits / jnp.maximum(tokens_j, 1.0),
+                 "acc_in_vocab_j": hits / jnp.maximum(in_vocab_j, 1.0), "hits_j": hits,
+                 "tokens_j": tokens_j, "in_vocab_j": in_vocab_j}
 
 
 def simulated_tau(acc: jax.Array) -> jax.Array:

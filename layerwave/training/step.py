@@ -70,8 +70,11 @@ def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_param
 
 
 def _metrics(loss, aux):
+  """Step metrics; the counts `hits_j`, `tokens_j`, `in_vocab_j` let an evaluation pool batches."""
   return {"loss": loss, "loss_j": aux["loss_j"], "acc_j": aux["acc_j"],
-          "tokens": aux["tokens_j"][0], "sim_tau": losses.simulated_tau(aux["acc_j"])}
+          "acc_in_vocab_j": aux["acc_in_vocab_j"], "hits_j": aux["hits_j"],
+          "tokens_j": aux["tokens_j"], "in_vocab_j": aux["in_vocab_j"], "tokens": aux["tokens_j"][0],
+          "sim_tau": losses.simulated_tau(aux["acc_j"])}
 
 
 @functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "tx", "steps",
