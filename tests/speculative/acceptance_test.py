@@ -27,6 +27,7 @@ from layerwave import sharding
 from layerwave.generate import compute_dtype
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models.target import KVCache, causal_mask
+from layerwave.speculative import acceptance
 from layerwave.speculative import tree as tree_lib
 from layerwave.training import step as step_lib
 
@@ -79,61 +80,34 @@ def setting(llama):
   return target, draft, prompts, sequences
 
 
-@nnx.jit
-def _ttt_argmax(draft, feats, tokens, mask):
-  steps = K
-  t = tokens.shape[1]
-  padded = jnp.pad(tokens, ((0, 0), (0, steps + 1)))
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
-  diag = draft.ttt_init(tokens.shape[0], t, steps)
-  h, base, preds = draft.fuse(feats), None, []
-  for j in range(steps):
-    inputs = jax.lax.dynamic_slice_in_dim(padded, j + 1, t, axis=1)
-    h, logits, new_base, diag = draft.ttt_step(h, inputs, positions + j, jnp.asarray(j), base, diag,
-                                               mask)
-    base = new_base if base is None else base
-    preds.append(draft.draft_to_target(jnp.argmax(logits, -1)))
-  return jnp.stack(preds, axis=1)
-
-
-def ttt_predictions(target, draft, sequences):
-  """Per sequence, `[K, T]` target ids: TTT step j at position t predicts x_{t+2+j} (`losses.ttt_loss`).
-
-  One batched call over the right-padded sequences: positions before the padding never read it.
-  """
-  tokens, mask = _padded(sequences)
-  feats = target.forward(tokens, mask, return_hidden_states=True).hidden_states
-  preds = np.asarray(_ttt_argmax(draft, feats[np.asarray(draft.config.layer_ids)],
-                                 jnp.asarray(tokens), jnp.asarray(mask)))
-  return [p[:, :len(s)] for p, s in zip(preds, sequences)]
-
-
-def _padded(sequences):
-  width = max(len(s) for s in sequences)
-  tokens, mask = np.zeros((len(sequences), width), np.int32), np.zeros((len(sequences), width), np.int32)
-  for i, s in enumerate(sequences):
-    tokens[i, :len(s)], mask[i, :len(s)] = s, 1
-  return tokens, mask
-
-
 def test_chain_acceptance_equals_teacher_forced_prediction(setting):
   target, draft, prompts, sequences = setting
   out, metrics = layerwave.speculative.generate(target, draft, prompts, MAX_NEW, ignore_eos=True,
                                                 method="chain", num_draft_tokens=K)
+  predictions = acceptance.teacher_forced_predictions(target, draft, sequences, K)
   all_m = []
   for prompt, sequence, got, accepted, preds in zip(prompts, sequences, out, metrics["accept_lengths"],
-                                                    ttt_predictions(target, draft, sequences)):
+                                                    predictions):
     assert got == list(sequence[len(prompt):len(prompt) + MAX_NEW])
-    expected, n = [], len(prompt)
-    while n - len(prompt) + 1 < MAX_NEW:  # the prefill emitted one token
-      match = preds[:, n - 1] == sequence[n + 1:n + 1 + K]
-      m = int(np.cumprod(match).sum())
-      expected.append(m)
-      n += m + 1
-    assert accepted == expected
+    assert accepted == acceptance.predicted_chain_acceptance(preds, sequence, len(prompt), K, MAX_NEW)
     all_m += accepted
   # The check means something only if acceptance varies.
   assert min(all_m) == 0 and max(all_m) == K, np.bincount(all_m)
+
+
+def test_tau_estimates_count_leading_matches():
+  sequence = np.arange(20)
+  preds = np.stack([sequence[2:], sequence[3:].tolist() + [-1], np.full(18, -1)])  # j: predicts t+2+j
+  preds[0, 7] = -1  # at n = 8 the first draft misses
+  est = acceptance.tau_estimates(preds, sequence, 5, 3, 8)
+  # starts n = 5..11; m(n) = 2 except m(8) = 0.
+  assert est["starts"] == 7
+  assert est["positional_tau"] == (6 * 3 + 1) / 7
+  np.testing.assert_allclose(est["acc"], [6 / 7, 1.0, 0.0])
+  assert est["marginal_tau"] == 1 + 6 / 7 + 6 / 7
+  assert acceptance.predicted_chain_acceptance(preds, sequence, 5, 3, 8) == [2, 0, 2]
+  with pytest.raises(ValueError, match="longer greedy continuation"):
+    acceptance.leading_matches(preds, sequence, 18, 3)
 
 
 def draft_states(target, draft, sequence):
