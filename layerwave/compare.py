@@ -20,6 +20,8 @@ Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last
    `W/results.md`, `W/plots/compare.png`.
 
 `experiments/compare_layers.py` is the launcher; the README's main job runs it with the `:demo` config.
+
+Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations

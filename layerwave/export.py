@@ -36,6 +36,8 @@ norms); layer id L (the final-norm output, which no engine can feed).
 `load_eagle3` reads ids as the current engines do: HF ids when the first is ≥ 2 (vLLM and SGLang ≥ #25454
 agree); a list starting at 0 or 1 (where they disagree) needs `id_convention`. It reads
 `model.safetensors`, or `pytorch_model.bin` through `torch.load(weights_only=True)` when torch is installed.
+
+Legend (`layerwave.axes`): V target vocabulary, V_d draft vocabulary.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ One jitted call per `generate`: a prefill of the (right-padded, ragged) prompts 
 `KVCache`, then one `lax.while_loop` that feeds each sampled token back until every row has produced EOS or
 `max_new_tokens`. The batch is sharded over the mesh's `'data'` axis. Shapes are bucketed (prompt width to a
 multiple of 16, cache slots to a multiple of 64) so calls with similar lengths reuse one compilation.
+
+Legend (`layerwave.axes`): B batch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ SLOT_BUCKET = 64
 
 @struct.dataclass
 class DecodeState:
-  """The while-loop carry. `tokens [B, N]` holds generated tokens; `step` how many are written."""
+  """The while-loop carry. `tokens [B, max_new_tokens]` holds generated tokens; `step` how many are written."""
 
   step: jax.Array
   tokens: jax.Array

@@ -7,6 +7,8 @@ layerwave calls the target:
 * `forward_fn`: a cache-free forward over `[B, T]` tokens (analysis, draft training);
 * `cached_forward_fn`: new tokens against a `KVCache` under any mask among them (prefill, decoding, and the
   speculative loop's verification of a chain or a tree).
+
+Legend (`layerwave.axes`): B batch, T tokens, P prompt width, L target layers, D target width, V target vocabulary.
 """
 
 from __future__ import annotations

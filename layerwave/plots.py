@@ -3,6 +3,8 @@
 Place in the pipeline: `layer_stats.json` / `selection.json` contents (written by `layerwave.analysis.report`)
 → PNG files under `W/plots/`. Reads plain dicts and arrays only, so a notebook can redraw from the JSON files.
 matplotlib runs headless (Agg backend); every file is written atomically (temporary file, then rename).
+
+Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations

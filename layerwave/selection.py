@@ -13,6 +13,8 @@ block, the pre-norm tensor that HF does not return — hence `to_block_outputs` 
 
 Objective for a set S (exhaustive / compartment): Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm, with Ê the min-max
 normalisation of E over the candidates.
+
+Legend (`layerwave.axes`): L target layers, B batch, T tokens, D target width, k selected layers.
 """
 
 from __future__ import annotations
@@ -319,7 +321,7 @@ def normalize_informativeness(entropy, candidates: Sequence[int]) -> np.ndarray:
 
 
 def subset_objective(subsets: np.ndarray, e_hat: np.ndarray, cka: np.ndarray, lam: float) -> np.ndarray:
-  """Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm for each row of `subsets` [M, k] → [M] (vectorised)."""
+  """Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm for each row of `subsets` [num_subsets, k] → [num_subsets]."""
   subsets = np.asarray(subsets)
   value = e_hat[subsets].sum(axis=1)
   k = subsets.shape[1]

@@ -6,6 +6,8 @@ update per batch, driven by `collect.collect_stats` over a stream of batches) â†
 hold small, pure, mask-aware jnp functions; this package re-exports the public names.
 
 The Gram-entropy functions live in `entropy.py`; `layerwave.analysis.matrix_entropy` is the function.
+
+Legend (`layerwave.axes`): L target layers, B batch, T tokens, D target width.
 """
 
 from layerwave.analysis import cka

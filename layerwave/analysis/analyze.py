@@ -4,6 +4,8 @@ Place in the pipeline: first stage. `experiments/analyze.py` parses flags and ca
 `W/layer_stats.json` (the wave: per-layer entropies with and without the token filter, CKA [L+1, L+1], kept-token
 counts, threshold, compartments, two-half stability), `W/selection.json` (one `LayerSelection` per strategy,
 which the draft-training stage reads by path) and `W/plots/*.png`, and prints a summary table.
+
+Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations

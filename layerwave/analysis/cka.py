@@ -15,6 +15,8 @@ Two estimators:
     to that shift, and it removes the large-mean cancellation that float32 would otherwise suffer.
 
 All functions are mask-aware: padding / filtered tokens are zeroed rows and excluded from every count.
+
+Legend (`layerwave.axes`): L target layers, n kept tokens, m Gram size, D target width.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ def linear_cka(x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> jax
   """Exact linear CKA between two representations of the same tokens.
 
   Args:
-    x: [N, Dx].
-    y: [N, Dy].
-    mask: optional [N] bool: rows to use.
+    x: [n, D].
+    y: [n, D'] (its width may differ from x's).
+    mask: optional [n] bool: rows to use.
 
   Returns:
     Scalar in [0, 1] (float32, or float64 for float64 inputs with x64 enabled); 0 if either side is constant.
@@ -72,7 +74,7 @@ def linear_cka(x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> jax
   x = jnp.asarray(x)
   y = jnp.asarray(y)
   if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
-    raise ValueError(f"linear_cka expects x [N, Dx], y [N, Dy]; got {x.shape}, {y.shape}")
+    raise ValueError(f"linear_cka expects x [n, D], y [n, D']; got {x.shape}, {y.shape}")
   xc = masked_center(x, mask)
   yc = masked_center(y, mask)
   xy = jnp.sum(jnp.square(jnp.einsum("nd,ne->de", xc, yc, precision=_HI)))

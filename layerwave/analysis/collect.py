@@ -23,6 +23,8 @@ computes the same statistics as one (minibatches for HSIC are cut from the globa
 
 Stability: with `halves=True`, even and odd batches feed two separate accumulator sets (the same total work);
 the full-data statistics are their `stats.merge`, and the halves are returned for the agreement report.
+
+Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ The alternative "layers" weighting, Σ_b |b| · (mean off-diagonal over b − β
 mean CKA to its block-mates; it is indifferent to splitting a homogeneous block, so it suits a fixed g.
 For a fixed number of blocks g the optimum is exact by dynamic programming in O(g·n²), with O(1) block scores
 from 2-D prefix sums. Automatic g: argmax_g Q*(g) − penalty · g, ties → fewest blocks.
+
+Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations

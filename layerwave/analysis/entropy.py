@@ -23,6 +23,9 @@ of 31 layers of one sequence costs about as much as SmolLM2-135M's forward over 
 the front and cuts the padded length to the smallest size of a static ladder (`bucket_sizes`) that holds the
 batch's largest kept count, choosing the branch with `lax.switch` inside the jit: every branch has static
 shapes, the result is exact, and the cost follows the number of kept tokens instead of the padded length.
+
+Legend (`layerwave.axes`): L target layers, L1 hidden-state depths, B batch, T tokens, n kept tokens, m Gram size,
+D target width.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ def matrix_entropy(z: jax.Array, alpha: float = 1.0, normalize: bool = True) -> 
   """Matrix entropy S_α of the rows of z, in nats.
 
   Args:
-    z: [N, D] representations (N samples).
+    z: [n, D] representations (n samples).
     alpha: Rényi order (> 0).
     normalize: centre over rows, then unit-L2 rows (Skean); raw Gram otherwise.
 
@@ -173,7 +176,7 @@ def matrix_entropy(z: jax.Array, alpha: float = 1.0, normalize: bool = True) -> 
   """
   z = jnp.asarray(z)
   if z.ndim != 2:
-    raise ValueError(f"matrix_entropy expects z [N, D], got shape {z.shape}")
+    raise ValueError(f"matrix_entropy expects z [n, D], got shape {z.shape}")
   return _matrix_entropy_jit(z, float(alpha), bool(normalize))
 
 
@@ -269,11 +272,11 @@ def covariance_entropy(
   Args:
     second_moment: [..., D, D] Σ x xᵀ (float32).
     total: [..., D] Σ x.
-    count: [...] or scalar N.
+    count: [...] or scalar: the number of samples n.
     alpha: Rényi order (> 0).
 
   Returns:
-    (entropy, normalized): [...] each; normalized divides by log(min(N, D)).
+    (entropy, normalized): [...] each; normalized divides by log(min(n, D)).
   """
   alpha = _check_alpha(alpha)
   count = jnp.asarray(count, jnp.float32)

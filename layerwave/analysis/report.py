@@ -6,6 +6,8 @@ reads a record from `selection.json` by strategy name. `summary_table` prints th
 
 Pure host-side functions of small arrays (no model, no device); every file is written atomically (temporary
 file in the same folder, then `os.replace`).
+
+Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Counts are int32 (fine up to 2³¹ tokens).
 
 Reduction across devices: every field except the buffer is a sum, so a shard_map driver can `psum` the
 accumulator's sum fields; `merge(a, b)` is the general binary reduction (sums + bottom-k buffer merge).
+
+Legend (`layerwave.axes`): L target layers, L1 hidden-state depths, B batch, T tokens, n kept tokens, m Gram size,
+R subsample size, D target width.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ _HI = jax.lax.Precision.HIGHEST
 class LayerStatsAccumulator:
   """Running sums of the layer statistics (a pytree; static fields are hashed into jit).
 
-  Shapes: L1 = L+1 layers, D width, N buffer size.
+  Shapes: see the module's legend; R = `buffer_size`.
   """
 
   prompt_entropy_sum: jax.Array  # [L1] Σ per-sequence entropy
@@ -60,8 +63,8 @@ class LayerStatsAccumulator:
   hsic_sum: jax.Array  # [L1, L1] Σ unbiased HSIC
   num_hsic_batches: jax.Array  # [] int32 minibatches with >= 4 tokens
   nonfinite: jax.Array  # [L1] int32 batches in which the layer held NaN/inf at kept positions
-  buffer: jax.Array  # [L1, N, D] exact-CKA token subsample
-  buffer_priority: jax.Array  # [N] float32, +inf = empty slot
+  buffer: jax.Array  # [L1, R, D] exact-CKA token subsample
+  buffer_priority: jax.Array  # [R] float32, +inf = empty slot
   alpha: float = flax.struct.field(pytree_node=False, default=1.0)
   normalize: bool = flax.struct.field(pytree_node=False, default=True)
   hsic_batch_size: int = flax.struct.field(pytree_node=False, default=256)
@@ -225,9 +228,9 @@ def _hsic_update(hidden: jax.Array, keep: jax.Array, m: int, key) -> tuple[jax.A
   return jax.lax.switch(index, [first(c) for c in ladder], idx, mask)
 
 
-def _bottom_k(priority: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Keep the k smallest priorities: priority [P], tokens [L1, P, D] → [k], [L1, k, D]."""
-  neg, idx = jax.lax.top_k(-priority, k)
+def _bottom_k(priority: jax.Array, tokens: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """Keeps the `size` smallest priorities: priority [n], tokens [L1, n, D] → [size], [L1, size, D]."""
+  neg, idx = jax.lax.top_k(-priority, size)
   return -neg, tokens[:, idx]
 
 

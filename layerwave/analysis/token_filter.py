@@ -12,6 +12,8 @@ Two ways to set the cut:
     first: `percentile_threshold` takes the per-token entropies of the calibration batches (host side; one
     float per token) and returns the absolute threshold that the streaming pass then uses. The streamed cut is
     therefore the corpus percentile of the calibration sample, not of each batch.
+
+Legend (`layerwave.axes`): B batch, T tokens, V target vocabulary.
 """
 
 from __future__ import annotations

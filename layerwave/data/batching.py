@@ -10,6 +10,8 @@ stream exactly (`BatchIterator(..., position=saved)`).
 Multi-host: `batch_size` is the global batch. Every process draws the same permutation, cuts it into
 global batches of `batch_size` examples, and keeps rows `[p * B/P, (p+1) * B/P)` of each, where
 p = process_index and P = process_count; all processes stay in lock step and share one `Position`.
+
+Legend (`layerwave.axes`): B batch, T tokens.
 """
 
 from __future__ import annotations

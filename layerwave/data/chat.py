@@ -18,6 +18,8 @@ the special tokens that follow.
 
 `encode_prompt` formats the prompt for generation (`add_generation_prompt=True`); `tokenize_text`
 handles plain text (all-ones mask); `encode_record` dispatches on a `sources.Record`.
+
+Legend (`layerwave.axes`): T tokens.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ in `chat_tokens/<config>/<version>/`, where the config name is keyed by everythi
 tokens: the tokenizer's fingerprint (its tokenizer.json, chat template and special tokens), a hash of
 the records, max_length, the split settings and the builder version. A different tokenizer or source
 therefore never reuses a stale dataset.
+
+Legend (`layerwave.axes`): T tokens.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ draft vocabulary to the target's exactly as published EAGLE-3 checkpoints do:
 Two ways to run it: `__call__` against a `KVCache` (decoding, any mask among new tokens, as the target), and
 `ttt_step` for the training-time test (causal over step-0 keys plus same-position keys of earlier steps).
 
-Legend: B batch, T tokens, k selected layers, D target width, d draft width, N unrolled steps.
+Legend (`layerwave.axes`): B batch, T tokens, L target layers, k selected layers, D target width, d draft width,
+V target vocabulary, V_d draft vocabulary, H query heads, G key/value heads, Dh head width, K draft depth.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class Draft(nnx.Module):
 
   # -- training-time test -------------------------------------------------------------------------
   def ttt_init(self, batch: int, length: int, steps: int, dtype=jnp.float32):
-    """Zero buffers for the same-position keys/values of steps 1..N-1, per draft layer."""
+    """Zero buffers for the same-position keys/values of steps 1..K-1, per draft layer (K = `steps`)."""
     c = self.config.model
     shape = (max(steps - 1, 1), batch, length, c.num_kv_heads, c.head_dim)
     n = c.num_layers
@@ -247,8 +248,8 @@ class Draft(nnx.Module):
       tokens: `[B, T]` input tokens for this step (x_{t+1+j}).
       positions: `[B, T]` RoPE positions (t + j).
       step: scalar int, j.
-      base_kv: per draft layer `(k0, v0)` `[B, T, K, Dh]`, or None at step 0 (they are computed).
-      diag_kv: per draft layer `(kd, vd)` `[N-1, B, T, K, Dh]` buffers.
+      base_kv: per draft layer `(k0, v0)` `[B, T, G, Dh]`, or None at step 0 (they are computed).
+      diag_kv: per draft layer `(kd, vd)` `[K-1, B, T, G, Dh]` buffers (`ttt_init`).
       key_mask: `[B, T]` real (non-padding) positions.
 
     Returns:
@@ -297,23 +298,23 @@ def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid):
   """Attention over causal step-0 keys plus same-position keys of earlier steps, one softmax.
 
   Args:
-    q: `[B, T, H, Dh]`; k0, v0: `[B, T, K, Dh]`; causal: `[B, T, T]`.
-    kd, vd: `[N, B, T, K, Dh]` same-position keys/values; diag_valid: `[N]`.
+    q: `[B, T, H, Dh]`; k0, v0: `[B, T, G, Dh]`; causal: `[B, T, T]`.
+    kd, vd: `[K-1, B, T, G, Dh]` same-position keys/values of steps 1..K-1; diag_valid: `[K-1]`.
 
   Returns:
     `[B, T, H, Dh]`.
   """
   b, t, h, dh = q.shape
-  kvh = k0.shape[2]
-  q = q.reshape(b, t, kvh, h // kvh, dh)
+  g = k0.shape[2]
+  q = q.reshape(b, t, g, h // g, dh)  # r = H / G query heads per key/value head; j indexes steps
   scale = 1.0 / np.sqrt(dh)
-  s0 = jnp.einsum("btkgd,bskd->bkgts", q, k0, preferred_element_type=jnp.float32) * scale
+  s0 = jnp.einsum("btgrd,bsgd->bgrts", q, k0, preferred_element_type=jnp.float32) * scale
   s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
-  sd = jnp.einsum("btkgd,nbtkd->bkgtn", q, kd, preferred_element_type=jnp.float32) * scale
+  sd = jnp.einsum("btgrd,jbtgd->bgrtj", q, kd, preferred_element_type=jnp.float32) * scale
   sd = jnp.where(diag_valid, sd, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)
   p0, pd = probs[..., :t].astype(v0.dtype), probs[..., t:].astype(vd.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", p0, v0) + jnp.einsum("bkgtn,nbtkd->btkgd", pd, vd)
+  out = jnp.einsum("bgrts,bsgd->btgrd", p0, v0) + jnp.einsum("bgrtj,jbtgd->btgrd", pd, vd)
   return out.reshape(b, t, h, dh)
 
 

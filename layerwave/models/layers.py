@@ -4,7 +4,7 @@ Shared by the target (`target.py`) and the EAGLE-3 draft. Parameters are stored 
 layer is `x @ kernel`; the weight loaders transpose Hugging Face's `[out, in]` tensors once at load time.
 Norms, softmax and rotary angles run in float32 whatever the parameter dtype.
 
-Legend: B batch, T new tokens, S cache slots, H query heads, K key/value heads, Dh head width, D model width.
+Legend (`layerwave.axes`): B batch, T tokens, S cache slots, H query heads, G key/value heads, Dh head width.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-  """Rotates `x [B, T, N, Dh]` by `positions [B, T]` (Hugging Face's half-split layout)."""
+  """Rotates `x [B, T, H or G, Dh]` by `positions [B, T]` (Hugging Face's half-split layout)."""
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -84,21 +84,21 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
   Args:
     q: queries `[B, T, H, Dh]`.
-    k: keys `[B, S, K, Dh]`, with H a multiple of K.
-    v: values `[B, S, K, Dh]`.
+    k: keys `[B, S, G, Dh]`, with H a multiple of G.
+    v: values `[B, S, G, Dh]`.
     mask: `[B, T, S]` boolean, True where a query may read a key.
 
   Returns:
     `[B, T, H, Dh]`.
   """
   b, t, h, dh = q.shape
-  kv = k.shape[2]
-  q = q.reshape(b, t, kv, h // kv, dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  g = k.shape[2]
+  q = q.reshape(b, t, g, h // g, dh)  # r = H / G query heads per key/value head
+  scores = jnp.einsum("btgrd,bsgd->bgrts", q, k, preferred_element_type=jnp.float32)
   scores = scores / math.sqrt(dh)
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
   return out.reshape(b, t, h, dh)
 
 

@@ -14,7 +14,8 @@ below `lengths[b]` (the committed prefix) plus the new slots its `new_mask` row 
 Hidden states follow Hugging Face's convention (shared/METHOD.md §1): index 0 is the embedding output,
 index i (1 <= i < L) the output of block i-1, index L the final RMSNorm of the last block's output.
 
-Legend: B batch, T new tokens, S cache slots, L layers, D width, V vocab, K kv heads, Dh head width.
+Legend (`layerwave.axes`): B batch, T tokens, S cache slots, L target layers, D target width, V target vocabulary,
+G key/value heads, Dh head width.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ Array = jax.Array
 
 @struct.dataclass
 class KVCache:
-  """Per-layer key/value buffers, each `[B, S, K, Dh]` (keys stored after RoPE)."""
+  """Per-layer key/value buffers, each `[B, S, G, Dh]` (keys stored after RoPE)."""
 
   keys: tuple[Array, ...]
   values: tuple[Array, ...]
@@ -92,7 +93,7 @@ def _cache_mask(new_mask: Array, lengths: Array, slots: int) -> Array:
 
 
 def _write(buffer: Array, new: Array, lengths: Array) -> Array:
-  """Writes `new [B, T, K, Dh]` into `buffer [B, S, K, Dh]` at per-row offsets `lengths [B]`."""
+  """Writes `new [B, T, G, Dh]` into `buffer [B, S, G, Dh]` at per-row offsets `lengths [B]`."""
   return jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice_in_dim(buf, x, at, axis=0))(
       buffer, new.astype(buffer.dtype), lengths)
 

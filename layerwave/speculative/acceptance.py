@@ -18,7 +18,7 @@ n_{i+1} = n_i + m(n_i) + 1. The same predictions give two estimates of τ on tha
 
 `experiments/check_acceptance.py` runs this on a real target and draft; the tests run it on a tiny one.
 
-Legend: B batch, T tokens, K drafted tokens (TTT steps), k selected layers, D target width.
+Legend (`layerwave.axes`): B batch, T tokens, K draft depth (the TTT steps).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def teacher_forced_predictions(target: Target, draft: Draft, sequences: Sequence
 
 
 def leading_matches(preds: np.ndarray, sequence: np.ndarray, n: int, k: int) -> int:
-  """m(n): drafted tokens a greedy chain of k accepts at committed length n."""
+  """m(n): drafted tokens a greedy chain of K = `k` accepts at committed length n."""
   sequence = np.asarray(sequence)
   if n + k >= len(sequence):
     raise ValueError(f"The sequence ({len(sequence)} tokens) must extend k + 1 = {k + 1} tokens past "

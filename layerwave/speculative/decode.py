@@ -21,7 +21,8 @@ Invariant at the top of each iteration, per row with committed length n: the tar
 (target feature at t, token t+1)); `h` is the draft's feature at position n-1, whose logits propose token
 n+1. Rows that finish (EOS or `max_new_tokens`) freeze; the batch runs until every row has finished.
 
-Legend: B batch, P prompt width, S cache slots, K chain length, D max depth, N tree nodes, V vocabulary.
+Legend (`layerwave.axes`): B batch, T tokens, S cache slots, k selected layers, D target width, d draft width,
+K draft depth.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class SpecOptions:
 
   @property
   def max_depth(self) -> int:
-    """D: the most drafted tokens one verification can accept."""
+    """K: the most drafted tokens one verification can accept (the chain length or the tree depth)."""
     return self.num_draft_tokens if self.method == "chain" else self.tree_depth
 
   @property
@@ -130,7 +131,7 @@ class SpecState:
 
   Attributes:
     step: verification calls so far.
-    tokens: `[B, max_new_tokens + D + 1]` emitted tokens (row b's first `out_len[b]` are real).
+    tokens: `[B, max_new_tokens + K + 1]` emitted tokens (row b's first `out_len[b]` are real).
     out_len: `[B]` tokens emitted per row.
     last: `[B]` the pending token (sampled by the target, in neither cache yet).
     lengths: `[B]` committed length of both caches.
@@ -139,7 +140,7 @@ class SpecState:
     h: `[B, d]` the draft's feature at position lengths - 1, read from the accepted tokens' target
       features of the selected layers; the next draft starts from it.
     rng: PRNG key.
-    accept_hist: `[B, D+1]` per row, how many verifications accepted m = 0..D drafted tokens.
+    accept_hist: `[B, K+1]` per row, how many verifications accepted m = 0..K drafted tokens.
     accept_trace: `[B, max_new_tokens]` per row, m of verification i at index i (-1 once the row is done).
   """
 
@@ -400,7 +401,7 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
 
 
 def acceptance_metrics(hist: np.ndarray) -> dict[str, Any]:
-  """τ and per-depth acceptance from `accept_hist [B, D+1]` (counts of m per verification)."""
+  """τ and per-depth acceptance from `accept_hist [B, K+1]` (counts of m per verification)."""
   counts = hist.sum(axis=0).astype(np.int64)
   calls = int(counts.sum())
   emitted = int((counts * (np.arange(counts.size) + 1)).sum())

@@ -8,6 +8,8 @@ minutes later gives a ratio of two different machines. Here each batch is decode
 cancels), after one untimed warm-up of each (compilation outside the clock). Each pair gives one ratio of
 tokens per second (speculative ÷ plain: at T > 0 the two may emit different numbers of tokens); the
 speedup is the median ratio, with its quartiles and range over the pairs.
+
+Legend (`layerwave.axes`): K draft depth.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class PairedTiming:
     plain_tokens_per_s, spec_tokens_per_s: per pair, each side's tokens per second.
     repeats: timed pairs per batch.
     plain_outputs, spec_outputs: new-token lists per prompt (from each batch's first timed call).
-    accept_length_hist: `[D+1]` the speculative calls' accepted-length counts summed over batches (one
+    accept_length_hist: `[K+1]` the speculative calls' accepted-length counts summed over batches (one
       call per batch), or None when `spec_fn` reports none.
     per_batch: per batch {new_tokens, plain_new_tokens, seconds, plain_seconds (medians over its
       repeats), speedup (median of its ratios)[, tau, verify_calls]}.

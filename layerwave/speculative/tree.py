@@ -8,10 +8,10 @@ its ancestors and itself) at RoPE positions `lengths + depth`.
 
 The EAGLE-2 dynamic tree (Li et al. 2024) under a static budget (`depth`, `top_k`, `tokens`):
 
-1. expansion: the root's draft distribution gives the top-k depth-1 nodes (the beam); for each further
-   level the draft runs on the beam, every beam node proposes its top-k children, and the k best of the k*k
+1. expansion: the root's draft distribution gives the top-W depth-1 nodes (the beam); for each further
+   level the draft runs on the beam, every beam node proposes its top-W children, and the W best of the W*W
    children by cumulative draft log-probability form the next beam. Every proposed node joins a pool of
-   `top_k + (depth - 1) * top_k**2` nodes.
+   `top_k + (depth - 1) * top_k**2` nodes (W = `top_k`, K = `depth`).
 2. reranking: the `tokens` pool nodes with the highest cumulative log-probability are verified. A child's
    score never exceeds its parent's and the pool lists parents first (`lax.top_k` breaks ties towards the
    lower index), so the chosen set always contains every chosen node's ancestors.
@@ -20,7 +20,8 @@ Expansion re-runs the draft on all beams so far (with the tree mask among them) 
 beams' keys in the draft cache: the cache contract (committed prefix + new tokens) stays untouched, and the
 draft is one small layer.
 
-Legend: B batch, N drafted nodes (N + 1 with the root), V_d draft vocabulary, d draft width, k top-k.
+Legend (`layerwave.axes`): B batch, N tree nodes (N + 1 with the root), K draft depth, W tree width,
+V_d draft vocabulary, d draft width.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class TreeBudget:
 
 
 def ancestor_mask(parents: Array, max_depth: int) -> Array:
-  """`[B, T, T]` ancestor-or-self relation from `parents [B, T]` (the root is its own parent)."""
+  """`[B, N+1, N+1]` ancestor-or-self relation from `parents [B, N+1]` (the root is its own parent)."""
   t = parents.shape[1]
   eye = jnp.eye(t, dtype=bool)[None]
   anc = jnp.broadcast_to(eye, parents.shape + (t,))
@@ -97,7 +98,7 @@ def ancestor_mask(parents: Array, max_depth: int) -> Array:
 
 
 def chain(root: Array, drafted: Array) -> Tree:
-  """A chain: `root [B]` followed by `drafted [B, K]`, each node the child of the one before."""
+  """A chain: `root [B]` followed by `drafted [B, K]`, each node the child of the one before (N = K)."""
   b, k = drafted.shape
   idx = jnp.arange(k + 1, dtype=jnp.int32)
   return Tree(tokens=jnp.concatenate([root[:, None], drafted], axis=1).astype(jnp.int32),
@@ -121,40 +122,40 @@ def dynamic_tree(draft, root: Array, root_h: Array, lengths: Array, cache, budge
   Returns:
     The `Tree` of `budget.tokens + 1` nodes, drafted nodes in pool order (parents before children).
   """
-  b, k = root.shape[0], budget.top_k
+  b, w = root.shape[0], budget.top_k
   lp = jax.nn.log_softmax(draft.logits(root_h), axis=-1)  # [B, V_d]
-  beam_score, beam_ids = jax.lax.top_k(lp, k)
+  beam_score, beam_ids = jax.lax.top_k(lp, w)
   beam_tokens = draft.draft_to_target(beam_ids).astype(jnp.int32)
   pool_score, pool_token = [beam_score], [beam_tokens]
-  pool_parent = [jnp.full((b, k), -1, jnp.int32)]
-  pool_depth = [np.ones(k, np.int32)]
-  beam_pool = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # beam -> pool index
-  seq_tokens, seq_g = [beam_tokens], [jnp.broadcast_to(root_h[:, None], (b, k, root_h.shape[-1]))]
-  seq_anc = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))  # among all beams so far
+  pool_parent = [jnp.full((b, w), -1, jnp.int32)]
+  pool_depth = [np.ones(w, np.int32)]
+  beam_pool = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))  # beam -> pool index
+  seq_tokens, seq_g = [beam_tokens], [jnp.broadcast_to(root_h[:, None], (b, w, root_h.shape[-1]))]
+  seq_anc = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))  # among all beams so far
   for level in range(1, budget.depth):
-    tokens = jnp.concatenate(seq_tokens, axis=1)  # [B, level * k]
-    positions = lengths[:, None] + jnp.asarray(np.repeat(np.arange(level), k), jnp.int32)[None]
+    tokens = jnp.concatenate(seq_tokens, axis=1)  # [B, level * W]
+    positions = lengths[:, None] + jnp.asarray(np.repeat(np.arange(level), w), jnp.int32)[None]
     h, logits, _ = draft(jnp.concatenate(seq_g, axis=1), tokens, positions, seq_anc, cache, lengths)
-    h_beam, lp = h[:, -k:], jax.nn.log_softmax(logits[:, -k:], axis=-1)  # the deepest beam
-    child_score, child_ids = jax.lax.top_k(lp, k)  # [B, k, k]
-    cum = (beam_score[:, :, None] + child_score).reshape(b, k * k)
-    child_tokens = draft.draft_to_target(child_ids).reshape(b, k * k).astype(jnp.int32)
+    h_beam, lp = h[:, -w:], jax.nn.log_softmax(logits[:, -w:], axis=-1)  # the deepest beam
+    child_score, child_ids = jax.lax.top_k(lp, w)  # [B, W, W]
+    cum = (beam_score[:, :, None] + child_score).reshape(b, w * w)
+    child_tokens = draft.draft_to_target(child_ids).reshape(b, w * w).astype(jnp.int32)
     offset = sum(x.shape[0] for x in pool_depth)
     pool_score.append(cum)
     pool_token.append(child_tokens)
-    pool_parent.append(jnp.repeat(beam_pool, k, axis=1))
-    pool_depth.append(np.full(k * k, level + 1, np.int32))
+    pool_parent.append(jnp.repeat(beam_pool, w, axis=1))
+    pool_depth.append(np.full(w * w, level + 1, np.int32))
     if level + 1 == budget.depth:
       break
-    beam_score, pick = jax.lax.top_k(cum, k)  # the next beam
-    parent_slot = pick // k  # which node of the current beam
+    beam_score, pick = jax.lax.top_k(cum, w)  # the next beam
+    parent_slot = pick // w  # which node of the current beam
     beam_pool = offset + pick
     seq_tokens.append(jnp.take_along_axis(child_tokens, pick, axis=1))
     seq_g.append(jnp.take_along_axis(h_beam, parent_slot[:, :, None], axis=1))
-    parent_rows = jnp.take_along_axis(seq_anc, ((level - 1) * k + parent_slot)[:, :, None], axis=1)
-    width = (level + 1) * k
-    rows = jnp.pad(parent_rows, ((0, 0), (0, 0), (0, k))) | jnp.eye(k, width, level * k, bool)[None]
-    seq_anc = jnp.concatenate([jnp.pad(seq_anc, ((0, 0), (0, 0), (0, k))), rows], axis=1)
+    parent_rows = jnp.take_along_axis(seq_anc, ((level - 1) * w + parent_slot)[:, :, None], axis=1)
+    width = (level + 1) * w
+    rows = jnp.pad(parent_rows, ((0, 0), (0, 0), (0, w))) | jnp.eye(w, width, level * w, bool)[None]
+    seq_anc = jnp.concatenate([jnp.pad(seq_anc, ((0, 0), (0, 0), (0, w))), rows], axis=1)
   return _rerank(root, jnp.concatenate(pool_score, 1), jnp.concatenate(pool_token, 1),
                  jnp.concatenate(pool_parent, 1), np.concatenate(pool_depth), budget)
 

@@ -15,7 +15,7 @@ decoding token for token at temperature 0.
   probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit a sample of norm(max(0, p_i - q_i));
   if all K are accepted emit a sample of p_K (Leviathan et al. 2023).
 
-Legend: B batch, T = N + 1 tree nodes (root first), K chain length, D max depth, V target vocabulary.
+Legend (`layerwave.axes`): B batch, T tokens (the tree's nodes with the root first), K draft depth, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class Acceptance:
 
   Attributes:
     num_accepted: `[B]` m, drafted tokens accepted (the path's depth).
-    path: `[B, D+1]` tree index of the accepted node at each depth (`path[:, 0] = 0`, the root); entries
+    path: `[B, K+1]` tree index of the accepted node at each depth (`path[:, 0] = 0`, the root); entries
       beyond m are 0.
-    new_tokens: `[B, D+1]` the tokens this step emits: the m accepted drafts, then the bonus at index m
+    new_tokens: `[B, K+1]` the tokens this step emits: the m accepted drafts, then the bonus at index m
       (entries beyond m are 0).
     bonus: `[B]` the target's token after the accepted path (the next pending token).
   """
@@ -58,7 +58,7 @@ def accept_deterministic(tree: Tree, logits: Array, rng: Array, params: Sampling
     logits: `[B, T, V]` target logits at every node (the distribution of the node's next token).
     rng: PRNG key (unused when greedy).
     params: the sampling settings of the target.
-    max_depth: D, the tree's static depth.
+    max_depth: K, the tree's static depth.
 
   Returns:
     The `Acceptance`.
@@ -70,7 +70,7 @@ def accept_deterministic(tree: Tree, logits: Array, rng: Array, params: Sampling
   best = jnp.argmax(jnp.where(accepted, tree.depths, -1), axis=1)  # the deepest accepted node
   m = jnp.take_along_axis(tree.depths, best[:, None], axis=1)[:, 0]
   on_path = jnp.take_along_axis(tree.mask, best[:, None, None], axis=1)[:, 0]  # [B, T]
-  at_depth = tree.depths[:, None, :] == jnp.arange(max_depth + 1)[None, :, None]  # [B, D+1, T]
+  at_depth = tree.depths[:, None, :] == jnp.arange(max_depth + 1)[None, :, None]  # [B, K+1, T]
   path = jnp.argmax(at_depth & on_path[:, None, :], axis=-1).astype(jnp.int32)
   bonus = jnp.take_along_axis(draws, best[:, None], axis=1)[:, 0]
   return _finish(m, path, tree.tokens, bonus)

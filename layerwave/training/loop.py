@@ -4,6 +4,8 @@ target + LayerSelection → ShareGPT chat dataset (tfds array_record) → draft 
 data-parallel TTT training with periodic held-out evaluation → orbax checkpoints in `workdir/checkpoints`
 (params, optimizer state, step, data position, vocabulary, selection record, draft config). Rerunning with
 the same workdir resumes exactly where the last checkpoint left off; a different config is refused.
+
+Legend (`layerwave.axes`): D target width, V target vocabulary.
 """
 
 from __future__ import annotations

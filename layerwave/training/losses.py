@@ -11,7 +11,8 @@ The accuracy `acc_j` counts every predictable position, and a position whose tar
 draft vocabulary as a miss: such a token can never be drafted, so it can never be accepted (as EAGLE-3 and
 SpecForge count it). `acc_in_vocab_j` is the same agreement over in-vocabulary positions only.
 
-Legend: B batch, T tokens, k selected layers, D target width, V / V_d target / draft vocabulary, N steps.
+Legend (`layerwave.axes`): B batch, T tokens, k selected layers, D target width, V target vocabulary,
+V_d draft vocabulary, K draft depth (the unrolled steps).
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
     tokens: `[B, T]` token ids.
     attention_mask: `[B, T]` 1 on real tokens.
     loss_mask: `[B, T]` 1 on tokens the loss may predict (assistant tokens, or every real token).
-    steps: N unrolled steps (static).
+    steps: K, the unrolled steps (static).
     decay: weight of step j is decay**j.
 
   Returns:
-    (scalar loss, metrics dict of per-step arrays `[N]`: `loss_j`; `acc_j` = `hits_j / tokens_j`, top-1
+    (scalar loss, metrics dict of per-step arrays `[K]`: `loss_j`; `acc_j` = `hits_j / tokens_j`, top-1
     agreement with the target's full-vocabulary argmax over every predictable position (out-of-vocabulary
     targets are misses); `acc_in_vocab_j` over the `in_vocab_j` positions whose target argmax is in the
     draft vocabulary (the loss's positions)).
@@ -106,7 +107,7 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
 
 
 def simulated_tau(acc: jax.Array) -> jax.Array:
-  """Expected accepted length of a greedy chain from per-step top-1 agreement `[N]`.
+  """Expected accepted length of a greedy chain from per-step top-1 agreement `[K]`.
 
   Treats step j's agreement as the chance of accepting draft token j given tokens < j were accepted:
   τ ≈ 1 + Σ_j Π_{i<=j} acc_i (the leading 1 is the target's bonus token).

@@ -3,6 +3,8 @@
 EAGLE-3 drafts predict over a reduced vocabulary and carry two tables that map it to the target's:
 `d2t[i] = target_id(i) - i` (an offset per draft id) and `t2d` (a boolean mask over the target vocabulary).
 Draft ids are the chosen target ids sorted ascending, so `target_id = i + d2t[i]`.
+
+Legend (`layerwave.axes`): V target vocabulary, V_d draft vocabulary.
 """
 
 from __future__ import annotations
