@@ -12,7 +12,8 @@ from layerwave.export import export_eagle3, load_eagle3
 from layerwave.generate import generate
 from layerwave.inference import Target, load_target
 from layerwave.models.config import ModelConfig
-from layerwave.models.target import KVCache, TargetOutput
+from layerwave.models.kv_cache import KVCache
+from layerwave.models.target import TargetOutput
 from layerwave.sampling import SamplingParams
 from layerwave.training.loop import load_draft
 from layerwave import speculative  # layerwave.speculative.generate

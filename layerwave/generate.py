@@ -21,7 +21,7 @@ from flax import struct
 
 from layerwave import sharding
 from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
-from layerwave.models.target import KVCache, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.sampling import SamplingParams, sample
 
 SLOT_BUCKET = 64

@@ -29,7 +29,8 @@ from layerwave import sharding
 from layerwave.models import hub
 from layerwave.models import weights
 from layerwave.models.config import ModelConfig
-from layerwave.models.target import KVCache, TargetOutput, Transformer, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
+from layerwave.models.target import TargetOutput, Transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

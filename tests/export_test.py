@@ -41,7 +41,7 @@ import layerwave
 from layerwave import export
 from layerwave import selection
 from layerwave.models.draft import Draft, DraftConfig
-from layerwave.models.target import KVCache
+from layerwave.models.kv_cache import KVCache
 from tests.models import hf_reference
 
 L, D, V, V_D = 8, 32, 97, 50

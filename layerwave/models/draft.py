@@ -27,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layerwave.models import kv_cache
 from layerwave.models import layers
 from layerwave.models.config import ModelConfig
-from layerwave.models.target import Attention, DecoderLayer, KVCache, _cache_mask
+from layerwave.models.kv_cache import KVCache
+from layerwave.models.target import Attention, DecoderLayer
 
 Array = jax.Array
 
@@ -216,7 +218,7 @@ class Draft(nnx.Module):
       (h `[B, T, d]` pre-norm features, logits `[B, T, V_d]`, updated cache).
     """
     inv_freq = self.inv_freq()
-    full = _cache_mask(mask, lengths, cache.slots)
+    full = kv_cache.cache_mask(mask, lengths, cache.slots)
     layer = self.midlayer
     out, kv = layer.self_attn(layer.attn_input(g, self.embed(tokens)), positions, inv_freq, full,
                               (cache.keys[0], cache.values[0]), lengths)

@@ -7,15 +7,12 @@ the speculative loop verifies with it. One forward serves every use:
 * prefill and cached decoding against a preallocated, functional `KVCache` (arrays in, arrays out);
 * verification of several new tokens against the cache under any mask among them (a chain or a tree).
 
-New tokens of row b are written to cache slots `lengths[b] ... lengths[b] + T - 1`; a query reads every slot
-below `lengths[b]` (the committed prefix) plus the new slots its `new_mask` row allows. Slots at or beyond
-`lengths[b] + T` are never read, so rolling back a rejected suffix is just not advancing `lengths`.
+The cache, how new tokens are written into it and what each one reads are `layerwave.models.kv_cache`.
 
 Hidden states follow Hugging Face's convention (shared/METHOD.md §1): index 0 is the embedding output,
 index i (1 <= i < L) the output of block i-1, index L the final RMSNorm of the last block's output.
 
-Legend (`layerwave.axes`): B batch, T tokens, S cache slots, L target layers, D target width, V target vocabulary,
-G key/value heads, Dh head width.
+Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -25,37 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from layerwave.models import kv_cache
 from layerwave.models import layers
 from layerwave.models.config import ModelConfig
+from layerwave.models.kv_cache import KVCache
 
 Array = jax.Array
-
-
-@struct.dataclass
-class KVCache:
-  """Per-layer key/value buffers, each `[B, S, G, Dh]` (keys stored after RoPE)."""
-
-  keys: tuple[Array, ...]
-  values: tuple[Array, ...]
-
-  @classmethod
-  def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
-    """Empty buffers in `dtype`, the compute dtype of the model that writes them (`Model.compute_dtype`).
-
-    Raises:
-      TypeError: for a non-floating dtype: keys and values written into an integer buffer are truncated
-        toward zero without an error (the draft cache was once sized from an int32 vocabulary table).
-    """
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-      raise TypeError(f"A KV cache must have a floating dtype, got {jnp.dtype(dtype)}: pass the model's "
-                      "compute dtype (`model.compute_dtype`), not the dtype of an arbitrary parameter.")
-    shape = (batch, slots, config.num_kv_heads, config.head_dim)
-    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-               values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
-
-  @property
-  def slots(self) -> int:
-    return self.keys[0].shape[1]
 
 
 @struct.dataclass
@@ -73,29 +45,6 @@ class TargetOutput:
   hidden_states: Array | None
   last_hidden: Array
   cache: KVCache | None
-
-
-def causal_mask(attention_mask: Array) -> Array:
-  """`[B, T, T]` mask: causal, and padding keys (attention_mask == 0) hidden."""
-  t = attention_mask.shape[1]
-  tri = jnp.tril(jnp.ones((t, t), bool))
-  return tri[None] & attention_mask.astype(bool)[:, None, :]
-
-
-def _cache_mask(new_mask: Array, lengths: Array, slots: int) -> Array:
-  """Lifts a `[B, T, T]` mask among new tokens to `[B, T, S]` over the cache after writing them."""
-  t = new_mask.shape[-1]
-  slot = jnp.arange(slots)[None, :]  # [1, S]
-  rel = slot - lengths[:, None]  # [B, S]: index among the new tokens, if any
-  in_new = (rel >= 0) & (rel < t)
-  gathered = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
-  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
-
-
-def _write(buffer: Array, new: Array, lengths: Array) -> Array:
-  """Writes `new [B, T, G, Dh]` into `buffer [B, S, G, Dh]` at per-row offsets `lengths [B]`."""
-  return jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice_in_dim(buf, x, at, axis=0))(
-      buffer, new.astype(buffer.dtype), lengths)
 
 
 class Attention(nnx.Module):
@@ -129,8 +78,8 @@ class Attention(nnx.Module):
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     if cache_kv is not None:
-      k = _write(cache_kv[0], k, lengths)
-      v = _write(cache_kv[1], v, lengths)
+      k = kv_cache.write(cache_kv[0], k, lengths)
+      v = kv_cache.write(cache_kv[1], v, lengths)
       cache_kv = (k, v)
     out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     return self.o_proj(out.reshape(b, t, -1)), cache_kv
@@ -194,7 +143,7 @@ class Transformer(nnx.Module):
     Args:
       tokens: `[B, T]` int ids.
       positions: `[B, T]` RoPE positions.
-      mask: `[B, T, T]` boolean mask among the new tokens (see `causal_mask`).
+      mask: `[B, T, T]` boolean mask among the new tokens (see `kv_cache.causal_mask`).
       cache: optional cache; the new tokens' keys/values are written at `lengths`.
       lengths: `[B]` committed cache length per row (required with a cache).
       return_hidden_states: return hidden states (all L+1, or `hidden_layers`).
@@ -208,7 +157,7 @@ class Transformer(nnx.Module):
     inv_freq = jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict),
                            jnp.float32)
     if cache is not None:
-      full_mask = _cache_mask(mask, lengths, cache.slots)
+      full_mask = kv_cache.cache_mask(mask, lengths, cache.slots)
     else:
       full_mask = mask
     x = self.embed_tokens(tokens)

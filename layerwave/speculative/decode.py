@@ -43,7 +43,8 @@ from layerwave.generate import (logits_fn, cache_slots, check_lengths, compute_d
                                 is_eos)
 from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
 from layerwave.models.draft import Draft, DraftConfig
-from layerwave.models.target import KVCache, _write, causal_mask
+from layerwave.models import kv_cache
+from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.sampling import SamplingParams, log_probs, sample
 from layerwave.speculative import tree as tree_lib
 from layerwave.speculative import verify
@@ -223,7 +224,7 @@ def _commit_path(cache: KVCache, path, lengths) -> KVCache:
   idx = (lengths[:, None] + path)[:, :, None, None]
 
   def move(buffer):
-    return _write(buffer, jnp.take_along_axis(buffer, idx, axis=1), lengths)
+    return kv_cache.write(buffer, jnp.take_along_axis(buffer, idx, axis=1), lengths)
 
   return KVCache(tuple(move(x) for x in cache.keys), tuple(move(x) for x in cache.values))
 

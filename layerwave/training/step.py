@@ -21,7 +21,7 @@ from flax import nnx
 from flax import struct
 
 from layerwave.models.draft import Draft, Frozen, VocabMap
-from layerwave.models.target import causal_mask
+from layerwave.models.kv_cache import causal_mask
 from layerwave.training import losses
 
 

@@ -10,7 +10,7 @@ from layerwave.models import layers
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import (Draft, DraftConfig, ttt_attend, ttt_reference_mask,
                                     validate_layer_ids)
-from layerwave.models.target import KVCache
+from layerwave.models.kv_cache import KVCache
 
 TARGET = ModelConfig("llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=6,
                      num_heads=4, num_kv_heads=2, head_dim=8)

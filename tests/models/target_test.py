@@ -12,7 +12,7 @@ import layerwave
 from layerwave import inference
 from layerwave.models import hub
 from layerwave.models.config import ModelConfig
-from layerwave.models.target import KVCache, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
 
 from tests.models import hf_reference
 

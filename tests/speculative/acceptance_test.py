@@ -26,7 +26,7 @@ import layerwave
 from layerwave import sharding
 from layerwave.generate import compute_dtype
 from layerwave.models.draft import Draft, DraftConfig
-from layerwave.models.target import KVCache, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.speculative import acceptance
 from layerwave.speculative import tree as tree_lib
 from layerwave.training import step as step_lib

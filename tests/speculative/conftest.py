@@ -18,7 +18,8 @@ from layerwave import sharding
 from layerwave.inference import Target
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import Draft, DraftConfig
-from layerwave.models.target import KVCache, Transformer, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
+from layerwave.models.target import Transformer
 
 PROMPTS = [[5, 17, 33, 8, 41], [12, 9], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74,
                                           75, 76, 77], [40, 2, 7]]

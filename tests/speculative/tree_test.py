@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from layerwave.inference import cached_forward, new_cache
-from layerwave.models.target import KVCache, causal_mask
+from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.speculative import decode
 from layerwave.speculative import tree as tree_lib
 

@@ -7,7 +7,8 @@ from flax import nnx
 
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import Draft, DraftConfig
-from layerwave.models.target import Transformer, causal_mask
+from layerwave.models.kv_cache import causal_mask
+from layerwave.models.target import Transformer
 from layerwave.training import losses
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,

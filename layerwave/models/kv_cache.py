@@ -1,0 +1,80 @@
+"""The KV cache and the masks of a call against it, shared by the target, the draft and the decoding loops.
+
+A `KVCache` is preallocated and functional: arrays in, arrays out. A call runs T new tokens per row against it
+under a `[B, T, T]` mask among the new tokens (`causal_mask` for a chain or a prompt, an ancestor mask for a
+tree). New tokens of row b are written to slots `lengths[b] ... lengths[b] + T - 1` (`write`); a query reads
+every slot below `lengths[b]` (the committed prefix) plus the new slots its mask row allows (`cache_mask`).
+Slots at or beyond `lengths[b] + T` are never read, so rolling back a rejected suffix is just not advancing
+`lengths`.
+
+Legend (`layerwave.axes`): B batch, T tokens, S cache slots, G key/value heads, Dh head width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from layerwave.models.config import ModelConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer key/value buffers, each `[B, S, G, Dh]` (keys stored after RoPE)."""
+
+  keys: tuple[Array, ...]
+  values: tuple[Array, ...]
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, slots: int, dtype=jnp.float32) -> "KVCache":
+    """Empty buffers in `dtype`, the compute dtype of the model that writes them (`Model.compute_dtype`).
+
+    Raises:
+      TypeError: for a non-floating dtype: keys and values written into an integer buffer are truncated
+        toward zero without an error (the draft cache was once sized from an int32 vocabulary table).
+    """
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      raise TypeError(f"A KV cache must have a floating dtype, got {jnp.dtype(dtype)}: pass the model's "
+                      "compute dtype (`model.compute_dtype`), not the dtype of an arbitrary parameter.")
+    shape = (batch, slots, config.num_kv_heads, config.head_dim)
+    return cls(keys=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+               values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)))
+
+  @property
+  def slots(self) -> int:
+    return self.keys[0].shape[1]
+
+
+def causal_mask(attention_mask: Array) -> Array:
+  """`[B, T, T]` mask: causal, and padding keys (attention_mask == 0) hidden."""
+  t = attention_mask.shape[1]
+  tri = jnp.tril(jnp.ones((t, t), bool))
+  return tri[None] & attention_mask.astype(bool)[:, None, :]
+
+
+def cache_mask(new_mask: Array, lengths: Array, slots: int) -> Array:
+  """Lifts a `[B, T, T]` mask among new tokens to `[B, T, S]` over the cache after writing them.
+
+  Args:
+    new_mask: `[B, T, T]` which new tokens each new token may read.
+    lengths: `[B]` committed cache length per row (the new tokens sit at slots `lengths[b] + i`).
+    slots: S.
+
+  Returns:
+    `[B, T, S]` boolean: the committed prefix, and the new slots `new_mask` allows.
+  """
+  t = new_mask.shape[-1]
+  slot = jnp.arange(slots)[None, :]  # [1, S]
+  rel = slot - lengths[:, None]  # [B, S]: index among the new tokens, if any
+  in_new = (rel >= 0) & (rel < t)
+  gathered = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
+  return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
+
+
+def write(buffer: Array, new: Array, lengths: Array) -> Array:
+  """Writes `new [B, T, G, Dh]` into `buffer [B, S, G, Dh]` at per-row offsets `lengths [B]`."""
+  return jax.vmap(lambda buf, x, at: jax.lax.dynamic_update_slice_in_dim(buf, x, at, axis=0))(
+      buffer, new.astype(buffer.dtype), lengths)
