@@ -5,6 +5,10 @@ One jitted call per `generate`: a prefill of the (right-padded, ragged) prompts 
 `max_new_tokens`. The batch is sharded over the mesh's `'data'` axis. Shapes are bucketed (prompt width to a
 multiple of 16, cache slots to a multiple of 64) so calls with similar lengths reuse one compilation.
 
+This module's `generate` is the public `layerwave.generate`. The speculative loop
+(`layerwave.speculative.generate`, same arguments and output) reuses its host-side helpers: `cache_slots`,
+`check_lengths`, `is_eos`, `cut_after_eos`, `compute_dtype`, `logits_fn`.
+
 Legend (`layerwave.axes`): B batch.
 """
 
@@ -61,9 +65,9 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "mesh", "max_new_tokens",
-                                             "slots", "params_", "eos_ids"))
+                                             "slots", "sampling", "eos_ids"))
 def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_tokens, slots,
-              params_, eos_ids):
+              sampling, eos_ids):
   """Jitted prefill + decode loop. Returns generated tokens `[B, max_new_tokens]` and the step count."""
   b, width = tokens.shape
   cache = new_cache(config, b, slots, compute_dtype(graphdef, params), mesh)
@@ -74,7 +78,7 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
   model_logits = logits_fn(graphdef, params)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
-  first = sample(model_logits(last_h), key, params_)
+  first = sample(model_logits(last_h), key, sampling)
   state = DecodeState(
       step=jnp.asarray(1, jnp.int32),
       tokens=jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first),
@@ -87,7 +91,7 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
     o = cached_forward(graphdef, params, s.last[:, None], s.lengths[:, None],
                        jnp.ones((b, 1, 1), bool), s.cache, s.lengths)
     rng, key = jax.random.split(s.rng)
-    nxt = sample(o.logits[:, 0], key, params_)
+    nxt = sample(o.logits[:, 0], key, sampling)
     return DecodeState(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), last=nxt,
                        lengths=s.lengths + 1, done=s.done | is_eos(nxt, eos_ids), cache=o.cache,
                        rng=rng)
@@ -126,7 +130,7 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
   Returns:
     One list of new tokens per prompt, each cut after its first EOS token (included).
   """
-  params_ = SamplingParams(float(temperature), int(top_k), float(top_p))
+  sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
   config = target.config
@@ -138,7 +142,7 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
   out, steps = _generate(
       target.graphdef, target.params, jax.device_put(tokens, batch),
       jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
-      config=config, mesh=target.mesh, max_new_tokens=int(max_new_tokens), slots=slots, params_=params_,
+      config=config, mesh=target.mesh, max_new_tokens=int(max_new_tokens), slots=slots, sampling=sampling,
       eos_ids=() if ignore_eos else target.eos_token_ids)
   result = cut_after_eos(np.asarray(out)[:n], int(steps), () if ignore_eos else target.eos_token_ids)
   return (result, {"steps": int(steps)}) if return_stats else result

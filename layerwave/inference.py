@@ -1,12 +1,15 @@
-"""The loaded target: `load_target(spec)` → `Target`, with jitted, device-parallel forward functions.
+"""Loading the target, `load_target(spec)` → `Target`, and the calls the analysis and decoding make on it.
 
 `Target` bundles the NNX model split into `(graphdef, params)` (plain pytrees for jit, orbax and shardings),
-its `ModelConfig`, tokenizer and mesh. The module-level jitted functions here are the only way the rest of
-layerwave calls the target:
+its `ModelConfig`, tokenizer and mesh. The functions beside it:
 
-* `forward_fn`: a cache-free forward over `[B, T]` tokens (analysis, draft training);
-* `cached_forward_fn`: new tokens against a `KVCache` under any mask among them (prefill, decoding, and the
-  speculative loop's verification of a chain or a tree).
+* `forward_fn`: the jitted, cache-free forward over `[B, T]` tokens (`Target.forward`, the analysis);
+* `cached_forward`: new tokens against a `KVCache` under any mask among them, un-jitted because it runs
+  inside the jitted decoding loops (prefill, decoding, and the speculative loop's verification of a chain or
+  a tree);
+* `new_cache` and `pad_prompts`: the decoding loops' cache (batch over `'data'`) and right-padded prompts.
+
+The draft-training step merges the target inside its own jitted step instead (`layerwave.training.step`).
 
 Legend (`layerwave.axes`): B batch, T tokens, P prompt width, L target layers, D target width, V target vocabulary.
 """

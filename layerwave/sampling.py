@@ -41,28 +41,28 @@ class SamplingParams:
     return self.temperature == 0
 
 
-def log_probs(logits: Array, params: SamplingParams) -> Array:
+def log_probs(logits: Array, sampling: SamplingParams) -> Array:
   """Log-probabilities `[..., V]` after temperature, top-k and top-p (filtered tokens at -inf).
 
   Only meaningful for sampling (temperature > 0); greedy decoding uses `argmax` directly.
   """
-  x = logits.astype(jnp.float32) / max(params.temperature, 1e-6)
-  if params.top_k:
-    kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+  x = logits.astype(jnp.float32) / max(sampling.temperature, 1e-6)
+  if sampling.top_k:
+    kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
-  if params.top_p < 1.0:
+  if sampling.top_p < 1.0:
     sorted_x = -jnp.sort(-x, axis=-1)
     probs = jax.nn.softmax(sorted_x, axis=-1)
     # Keep a token if the mass strictly before it is below top_p (the first token is always kept);
     # the smallest kept logit is the cut (ties with it are kept too).
     before = jnp.cumsum(probs, axis=-1) - probs
-    cut = jnp.min(jnp.where(before < params.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    cut = jnp.min(jnp.where(before < sampling.top_p, sorted_x, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x < cut, -jnp.inf, x)
   return jax.nn.log_softmax(x, axis=-1)
 
 
-def sample(logits: Array, rng: Array, params: SamplingParams) -> Array:
+def sample(logits: Array, rng: Array, sampling: SamplingParams) -> Array:
   """Draws one token per row from `logits [..., V]` (argmax when greedy)."""
-  if params.greedy:
+  if sampling.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(rng, log_probs(logits, params), axis=-1).astype(jnp.int32)
+  return jax.random.categorical(rng, log_probs(logits, sampling), axis=-1).astype(jnp.int32)

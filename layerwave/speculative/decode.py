@@ -186,16 +186,16 @@ def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, vali
   return jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0], cache
 
 
-def _draft_chain(draft, h, lengths, cache, rng, options: SpecOptions, params_: SamplingParams):
+def _draft_chain(draft, h, lengths, cache, rng, options: SpecOptions, sampling: SamplingParams):
   """Drafts K tokens in a row from feature `h [B, d]`; returns target ids `[B, K]` and q (or None)."""
-  sampled = options.draft_sample and not params_.greedy
+  sampled = options.draft_sample and not sampling.greedy
   vocab = draft.config.target_vocab_size
 
   def pick(logits, key):
-    ids = sample(logits, key, params_) if sampled else jnp.argmax(logits, -1).astype(jnp.int32)
+    ids = sample(logits, key, sampling) if sampled else jnp.argmax(logits, -1).astype(jnp.int32)
     q = None
     if sampled:  # the draft's processed distribution, moved onto the target vocabulary
-      q_d = jnp.exp(log_probs(logits, params_))
+      q_d = jnp.exp(log_probs(logits, sampling))
       q = jnp.zeros(q_d.shape[:-1] + (vocab,), q_d.dtype).at[..., draft.draft_token_ids()].set(q_d)
     return draft.draft_to_target(ids).astype(jnp.int32), q
 
@@ -230,10 +230,10 @@ def _commit_path(cache: KVCache, path, lengths) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "config", "mesh",
-                                             "layer_ids", "max_new_tokens", "slots", "params_",
+                                             "layer_ids", "max_new_tokens", "slots", "sampling",
                                              "options", "eos_ids"))
 def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tokens, lengths, rng, *,
-               config, mesh, layer_ids, max_new_tokens, slots, params_, options, eos_ids):
+               config, mesh, layer_ids, max_new_tokens, slots, sampling, options, eos_ids):
   """Jitted prefill + speculative loop. Returns the final `SpecState`."""
   _TRACES[0] += 1
   b, width = tokens.shape
@@ -248,7 +248,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
                        hidden_layers=layer_ids, compute_logits=False)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
-  first = sample(logits_fn(target_graphdef, target_params)(last_h), key, params_)
+  first = sample(logits_fn(target_graphdef, target_params)(last_h), key, sampling)
   shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # token t+1 at position t
   shifted = shifted.at[jnp.arange(b), lengths - 1].set(first)
   h, draft_cache = _draft_commit(draft, out.hidden_states, shifted, jnp.zeros((b,), jnp.int32),
@@ -269,7 +269,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     q = None
     if options.method == "chain":
-      drafted, q = _draft_chain(draft, s.h, s.lengths, s.draft_cache, key_draft, options, params_)
+      drafted, q = _draft_chain(draft, s.h, s.lengths, s.draft_cache, key_draft, options, sampling)
       cand = tree_lib.chain(s.last, drafted)
     else:
       cand = tree_lib.dynamic_tree(draft, s.last, s.h, s.lengths, s.draft_cache, options.budget)
@@ -277,9 +277,9 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
                        cand.mask, s.target_cache, s.lengths, return_hidden_states=True,
                        hidden_layers=layer_ids)
     if q is not None:
-      acc = verify.accept_sampled_chain(cand, o.logits, q, key_accept, params_)
+      acc = verify.accept_sampled_chain(cand, o.logits, q, key_accept, sampling)
     else:
-      acc = verify.accept_deterministic(cand, o.logits, key_accept, params_, depth)
+      acc = verify.accept_deterministic(cand, o.logits, key_accept, sampling, depth)
     target_cache = o.cache if options.method == "chain" else _commit_path(o.cache, acc.path, s.lengths)
     features = jnp.take_along_axis(o.hidden_states, acc.path[None, :, :, None], axis=2)
     h, draft_cache = _draft_commit(draft, features, acc.new_tokens, s.lengths, acc.num_accepted,
@@ -331,7 +331,7 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
     `new_tokens`, `seconds` (wall time, compilation included on the first call), `tokens_per_s`,
     `accept_lengths` (per prompt, the drafted tokens accepted by each of its verifications, in order)).
   """
-  params_ = SamplingParams(float(temperature), int(top_k), float(top_p))
+  sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
   unknown = set(draft_options) - {f.name for f in dataclasses.fields(SpecOptions)}
   if unknown:
     raise ValueError(f"Unknown draft options {sorted(unknown)}; valid: "
@@ -355,7 +355,7 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
       jax.device_put(tokens, sharding.batch_sharding(target.mesh)),
       jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
       config=config, mesh=target.mesh, layer_ids=tuple(loaded.config.layer_ids),
-      max_new_tokens=int(max_new_tokens), slots=slots, params_=params_, options=options,
+      max_new_tokens=int(max_new_tokens), slots=slots, sampling=sampling, options=options,
       eos_ids=eos_ids)
   out, hist, trace, steps = jax.device_get((state.tokens, state.accept_hist, state.accept_trace,
                                             state.step))

@@ -49,7 +49,7 @@ class Acceptance:
   bonus: Array
 
 
-def accept_deterministic(tree: Tree, logits: Array, rng: Array, params: SamplingParams,
+def accept_deterministic(tree: Tree, logits: Array, rng: Array, sampling: SamplingParams,
                          max_depth: int) -> Acceptance:
   """Longest path of drafted tokens that match the target's draw at their parents.
 
@@ -57,13 +57,13 @@ def accept_deterministic(tree: Tree, logits: Array, rng: Array, params: Sampling
     tree: the verified `Tree` (children of a node carry distinct tokens).
     logits: `[B, T, V]` target logits at every node (the distribution of the node's next token).
     rng: PRNG key (unused when greedy).
-    params: the sampling settings of the target.
+    sampling: the target's sampling settings.
     max_depth: K, the tree's static depth.
 
   Returns:
     The `Acceptance`.
   """
-  draws = sample(logits, rng, params)  # [B, T] the target's next token at every node
+  draws = sample(logits, rng, sampling)  # [B, T] the target's next token at every node
   t = draws.shape[1]
   match = (tree.tokens == jnp.take_along_axis(draws, tree.parents, axis=1)) | (jnp.arange(t) == 0)
   accepted = ~jnp.any(tree.mask & ~match[:, None, :], axis=-1)  # the whole path matches
@@ -77,7 +77,7 @@ def accept_deterministic(tree: Tree, logits: Array, rng: Array, params: Sampling
 
 
 def accept_sampled_chain(tree: Tree, logits: Array, draft_probs: Array, rng: Array,
-                         params: SamplingParams) -> Acceptance:
+                         sampling: SamplingParams) -> Acceptance:
   """Rejection sampling for a chain sampled from the draft.
 
   Args:
@@ -86,13 +86,13 @@ def accept_sampled_chain(tree: Tree, logits: Array, draft_probs: Array, rng: Arr
     draft_probs: `[B, K, V]` the draft's processed distribution each drafted token was sampled from,
       over the target vocabulary.
     rng: PRNG key.
-    params: the sampling settings (temperature > 0).
+    sampling: the target's sampling settings (temperature > 0).
 
   Returns:
     The `Acceptance` (path = 0..K).
   """
   b, k = draft_probs.shape[:2]
-  p = jnp.exp(log_probs(logits, params))  # [B, K+1, V]
+  p = jnp.exp(log_probs(logits, sampling))  # [B, K+1, V]
   x = tree.tokens[:, 1:]
   px = jnp.take_along_axis(p[:, :k], x[:, :, None], axis=-1)[..., 0]
   qx = jnp.take_along_axis(draft_probs, x[:, :, None], axis=-1)[..., 0]
