@@ -22,8 +22,10 @@ What is accumulated (all float32 sums unless noted; memory independent of the nu
   * counts: kept tokens, sequences; per-layer count of NaN/inf entries seen (finalize raises naming layers).
 Counts are int32 (fine up to 2³¹ tokens).
 
-Reduction across devices: every field except the buffer is a sum, so a shard_map driver can `psum` the
-accumulator's sum fields; `merge(a, b)` is the general binary reduction (sums + bottom-k buffer merge).
+Across devices: `layerwave.analysis.collect` jits `update` with the batch sharded over the mesh's 'data'
+axis and the accumulator replicated, so XLA's partitioner inserts the cross-device sums; no per-device code
+is needed. `merge(a, b)` combines two accumulators of disjoint data (sums, and a bottom-k merge of the
+buffers); collect uses it to join the two halves of the stability check.
 
 Legend (`layerwave.axes`): L target layers, L1 hidden-state depths, B batch, T tokens, n kept tokens, m Gram size,
 R subsample size, D target width.
@@ -39,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from layerwave.analysis import cka as cka_lib
-from layerwave.analysis import entropy as me
+from layerwave.analysis import entropy as entropy_lib
 
 __all__ = ["LayerStatsAccumulator", "LayerStats", "init", "update", "merge", "finalize"]
 
@@ -262,9 +264,9 @@ def update(
   keep = keep_mask.astype(bool)
   n_seq = jnp.sum(keep.astype(jnp.int32), axis=-1)  # [B]
 
-  bad = me.nonfinite_layers(hidden, keep).astype(jnp.int32)
+  bad = entropy_lib.nonfinite_layers(hidden, keep).astype(jnp.int32)
 
-  h, hn = me.prompt_entropy(hidden, keep, acc.alpha, acc.normalize)  # [L1, B]
+  h, hn = entropy_lib.prompt_entropy(hidden, keep, acc.alpha, acc.normalize)  # [L1, B]
   prompt_ok = (n_seq >= 2).astype(jnp.float32)
   pe_sum = acc.prompt_entropy_sum + jnp.sum(h * prompt_ok, axis=-1)
   pen_sum = acc.prompt_entropy_norm_sum + jnp.sum(hn * prompt_ok, axis=-1)
@@ -337,7 +339,7 @@ def merge(a: LayerStatsAccumulator, b: LayerStatsAccumulator) -> LayerStatsAccum
 
 def _finalize_device(acc: LayerStatsAccumulator):
   n_prompts = jnp.maximum(acc.num_prompts, 1).astype(jnp.float32)
-  de, den = me.covariance_entropy(acc.pooled_second_moment, acc.pooled_sum, acc.num_sequences, acc.alpha)
+  de, den = entropy_lib.covariance_entropy(acc.pooled_second_moment, acc.pooled_sum, acc.num_sequences, acc.alpha)
   out = {
       "prompt_entropy": acc.prompt_entropy_sum / n_prompts,
       "prompt_entropy_normalized": acc.prompt_entropy_norm_sum / n_prompts,
@@ -366,7 +368,7 @@ def finalize(acc: LayerStatsAccumulator) -> LayerStats:
     ValueError: no token was kept.
     FloatingPointError: a layer held NaN/inf at a kept position (the message names the layer indices).
   """
-  me.check_finite(np.asarray(acc.nonfinite))
+  entropy_lib.check_finite(np.asarray(acc.nonfinite))
   num_tokens = int(acc.num_tokens)
   if num_tokens == 0:
     raise ValueError("the token filter kept no token: lower threshold / percentile, or check the masks")
