@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 ITEMS = ("state", "vocab", "meta")
@@ -56,11 +55,6 @@ class Checkpointer:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
-
-
-def abstract_like(tree: Any) -> Any:
-  """Shapes, dtypes and shardings of a pytree of arrays (a restore target)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def checkpoint_dir(path: str) -> str:

@@ -67,11 +67,6 @@ class MetricWriter:
       self._tb.close()
 
 
-def read_jsonl(path: str) -> list[dict]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 class _DropLibraryInfo(std_logging.Filter):
   """Drops INFO records emitted from inside orbax (it logs every file operation at INFO)."""
 

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -470,7 +470,3 @@ def get_source(name: str, **options: Any) -> list[Record]:
   if name not in SOURCES:
     raise KeyError(f"Unknown data source {name!r}; choose one of {sorted(SOURCES)}.")
   return SOURCES[name](**options)
-
-
-def source_names() -> Sequence[str]:
-  return tuple(SOURCES)

@@ -14,7 +14,6 @@ import json
 import os
 from typing import Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -113,17 +112,6 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype
     values.append((path, var.replace(value)))
   state = nnx.from_flat_state(values)
   return nnx.merge(graphdef, state)
-
-
-def hf_tensors_from_model(model: Transformer) -> dict[str, np.ndarray]:
-  """Inverse of `params_from_hf`: HF-named float32 numpy tensors (for export and tests)."""
-  _, state = nnx.split(model)
-  out = {}
-  for path, var in nnx.to_flat_state(state):
-    name, transposed = _hf_name(path)
-    arr = np.asarray(jax.device_get(var.get_value()), np.float32)
-    out[name] = np.ascontiguousarray(arr.T if transposed else arr)
-  return out
 
 
 # ---------------------------------------------------------------------------------------------------
