@@ -14,7 +14,6 @@ Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHM
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 
@@ -22,6 +21,7 @@ from absl import app
 from absl import flags
 
 import layerwave
+from layerwave import atomic
 import speculate  # experiments/speculate.py (run from the repository root)
 
 # --config and --workdir are speculate.py's flags (defined on import).
@@ -59,10 +59,9 @@ def main(argv):
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s ar={summary['ar_tokens_per_s']:.1f} tok/s "
               f"speedup={speculate.speedup_cell(summary)} ({summary['timing']})", flush=True)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  with open(os.path.join(_WORKDIR.value, "bench_speculative.json"), "w") as f:
-    json.dump({"config": config.to_dict(), "machine": platform.machine(), "results": results}, f,
-              indent=1, default=str)
+  atomic.write_json(os.path.join(_WORKDIR.value, "bench_speculative.json"),
+                    {"config": config.to_dict(), "machine": platform.machine(), "results": results},
+                    default=str)
   print(f"\ndraft: {config.draft}; max_new_tokens {s.max_new_tokens}; batch {s.batch_size}; tree "
         f"d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}; machine {platform.machine()}")
   print(f"speedup: spec ÷ AR tokens/s of the same batch decoded back to back in alternation (ABBA), "

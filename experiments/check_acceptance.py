@@ -14,7 +14,6 @@ accuracies). Writes `OUT/acceptance_check.json`. Exits non-zero on any mismatch.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app
@@ -23,9 +22,9 @@ from ml_collections import config_flags
 import numpy as np
 
 import layerwave
+from layerwave import atomic
 from layerwave import metrics as metrics_lib
 from layerwave import sharding
-from layerwave.analysis import report
 from layerwave.data import chat
 from layerwave.data import sources
 from layerwave.speculative import acceptance
@@ -88,8 +87,7 @@ def main(argv):
           f"{r['loop_tau']:.3f} | {r['positional_tau']:.3f} | {r['marginal_tau']:.3f} | "
           f"{' '.join(f'{a:.2f}' for a in r['acc'])} |")
   if _WORKDIR.value:
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    report.write_json(os.path.join(_WORKDIR.value, "acceptance_check.json"),
+    atomic.write_json(os.path.join(_WORKDIR.value, "acceptance_check.json"),
                       {"draft": config.draft, "k": k, "max_new_tokens": max_new, "results": results})
   bad = sum(r["mismatched"] + r["output_differs"] for r in results.values())
   if bad:

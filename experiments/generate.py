@@ -12,6 +12,7 @@ from absl import flags
 from ml_collections import config_flags
 
 import layerwave
+from layerwave import atomic
 from layerwave import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/generate.py", lock_config=True)
@@ -41,10 +42,8 @@ def run(config, workdir=None) -> list[dict]:
   print(f"\n{total} new tokens for {len(questions)} prompts in {seconds:.1f}s "
         f"(includes compilation; {stats['steps']} decode steps).")
   if workdir:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "generations.jsonl"), "w") as f:
-      for r in records:
-        f.write(json.dumps(r) + "\n")
+    atomic.write_text(os.path.join(workdir, "generations.jsonl"),
+                      "".join(json.dumps(r) + "\n" for r in records))
   return records
 
 

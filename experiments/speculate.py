@@ -26,6 +26,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 import layerwave
+from layerwave import atomic
 from layerwave import selection
 from layerwave import sharding
 from layerwave.data import chat
@@ -122,14 +123,11 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   draft = load_draft(config, target)
   items = prompts_for(config, target.tokenizer, prompt)
   summary, outs, per_batch = evaluate(target, draft, items, s, config.seed, bool(s.compare_ar))
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "spec_metrics.json"), "w") as f:
-    json.dump({"config": config.to_dict(), "spec": summary, "batches": per_batch}, f, indent=1,
-              default=str)
-  with open(os.path.join(workdir, "spec_generations.jsonl"), "w") as f:
-    for (rid, _), out in zip(items, outs):
-      f.write(json.dumps({"id": rid, "new_tokens": len(out),
-                          "text": target.tokenizer.decode(out)}) + "\n")
+  atomic.write_json(os.path.join(workdir, "spec_metrics.json"),
+                    {"config": config.to_dict(), "spec": summary, "batches": per_batch}, default=str)
+  atomic.write_text(os.path.join(workdir, "spec_generations.jsonl"), "".join(
+      json.dumps({"id": rid, "new_tokens": len(out), "text": target.tokenizer.decode(out)}) + "\n"
+      for (rid, _), out in zip(items, outs)))
   print(table(summary, s))
   if prompt:
     print(f"\n>>> {prompt}\n{target.tokenizer.decode(outs[0], skip_special_tokens=True)}")

@@ -40,8 +40,8 @@ import numpy as np
 from absl import logging
 from scipy import stats as scipy_stats
 
+from layerwave import atomic
 from layerwave import selection as selection_lib
-from layerwave.analysis import report
 
 __all__ = ["LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
 
@@ -231,7 +231,7 @@ def check_workdir(workdir: str, config) -> None:
                        f"{' ...' if len(diff) > 8 else ''}). Resume with the same config or use a new "
                        "--workdir.")
     return
-  report.write_json(path, {"fingerprint": value, "settings": d})
+  atomic.write_json(path, {"fingerprint": value, "settings": d})
 
 
 def seeds_of(compare) -> list[int]:
@@ -422,7 +422,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     evaluation = evaluate_draft(target, draft, prompts, config, width, seed, bool(cmp.speedup))
     result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
-    report.write_json(path, result)
+    atomic.write_json(path, result)
     if not cmp.keep_checkpoints:
       shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
     results[(s.key, seed)] = result
@@ -441,8 +441,8 @@ def run(config, workdir: str) -> dict[str, Any]:
                               "batch_size": int(config.speculate.batch_size),
                               "timing_repeats": int(config.speculate.timing_repeats)}
   table = markdown_table(summary)
-  report.write_json(os.path.join(workdir, "results.json"), summary)
-  _write_text(os.path.join(workdir, "results.md"), table + "\n")
+  atomic.write_json(os.path.join(workdir, "results.json"), summary)
+  atomic.write_text(os.path.join(workdir, "results.md"), table + "\n")
   plot_path = plots.plot_comparison(os.path.join(workdir, "plots", "compare.png"), summary)
   print(table)
   print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}")
@@ -456,13 +456,6 @@ def budget_of(config) -> dict[str, Any]:
           "max_length": int(config.data.max_length), "lr": float(t.lr), "ttt_steps": int(t.ttt_steps),
           "draft_vocab_size": int(d.vocab_size), "draft_layers": int(d.num_layers),
           "tokens_per_cell": int(t.num_steps) * int(t.batch_size) * int(config.data.max_length)}
-
-
-def _write_text(path: str, text: str) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 # -- the table -----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Place in the pipeline: `layer_stats.json` / `selection.json` contents (written by `layerwave.analysis.report`)
 → PNG files under `W/plots/`. Reads plain dicts and arrays only, so a notebook can redraw from the JSON files.
-matplotlib runs headless (Agg backend); every file is written atomically (temporary file, then rename).
+matplotlib runs headless (Agg backend); every file is written atomically (`layerwave.atomic`).
 
 Legend (`layerwave.axes`): L target layers.
 """
@@ -10,7 +10,6 @@ Legend (`layerwave.axes`): L target layers.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 
 import matplotlib
@@ -19,23 +18,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from layerwave import atomic  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 __all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
            "plot_all", "plot_comparison"]
 
 
 def save_figure(fig, path: str) -> str:
   """Saves a figure atomically as PNG and closes it; returns the path."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".png", dir=folder)
-  os.close(fd)
   try:
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+    with atomic.atomic_file(path, suffix=".png") as tmp:
+      fig.savefig(tmp, dpi=120, bbox_inches="tight")
   finally:
     plt.close(fig)
   return path

@@ -24,12 +24,12 @@ import itertools
 import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from layerwave import atomic
 from layerwave.analysis import compartments as compartments_lib
 
 __all__ = [
@@ -130,18 +130,6 @@ def _as_int(v) -> int:
   return int(v)
 
 
-def _jsonable(v):
-  if isinstance(v, dict):
-    return {str(k): _jsonable(x) for k, x in v.items()}
-  if isinstance(v, (list, tuple)):
-    return [_jsonable(x) for x in v]
-  if isinstance(v, np.ndarray):
-    return _jsonable(v.tolist())
-  if isinstance(v, np.generic):
-    return v.item()
-  return v
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerSelection:
   """Which target layers the draft reads, and how they were chosen (immutable, JSON round-trips).
@@ -239,7 +227,7 @@ class LayerSelection:
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["ids"] = list(self.ids)
-    return _jsonable(d)
+    return atomic.jsonable(d)
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -261,18 +249,8 @@ class LayerSelection:
     return cls.from_dict(json.loads(text))
 
   def save(self, path: str | os.PathLike) -> None:
-    """Writes JSON atomically (temporary file in the same folder, then os.replace)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".layer_selection.", suffix=".tmp", dir=folder)
-    try:
-      with os.fdopen(fd, "w") as f:
-        f.write(self.to_json() + "\n")
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-      raise
+    """Writes the record as JSON, atomically (`layerwave.atomic`)."""
+    atomic.write_text(path, self.to_json() + "\n")
 
   @classmethod
   def load(cls, path: str | os.PathLike, num_layers: int | None = None,
@@ -523,5 +501,5 @@ def select_layers(
          "include_final": include_final}
   cfg.update(config or {})
   return LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden_size, strategy=strategy,
-                        lam=float(lam), min_gap=min_gap, scores=_jsonable(scores), data_hash=data_hash,
-                        config=_jsonable(cfg), seed=int(seed))
+                        lam=float(lam), min_gap=min_gap, scores=atomic.jsonable(scores), data_hash=data_hash,
+                        config=atomic.jsonable(cfg), seed=int(seed))

@@ -16,6 +16,7 @@ import time
 import jax
 from absl import logging
 
+from layerwave import atomic
 from layerwave import data as data_lib
 from layerwave import inference
 from layerwave import plots
@@ -97,8 +98,8 @@ def run(config, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     stats_path = os.path.join(workdir, "layer_stats.json")
     selection_path = os.path.join(workdir, "selection.json")
-    report.write_json(stats_path, record)
-    report.write_json(selection_path, report.selection_file_record(selections))
+    atomic.write_json(stats_path, record)
+    atomic.write_json(selection_path, report.selection_file_record(selections))
     paths = [stats_path, selection_path]
     paths += plots.plot_all(os.path.join(workdir, "plots"), record,
                             {name: sel.ids for name, sel in selections.items()})

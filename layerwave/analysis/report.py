@@ -4,8 +4,8 @@ Place in the pipeline: `collect.CollectResult` → `layer_stats_record` (written
 `run_selections` (one `LayerSelection` per strategy, written as `W/selection.json`) → the draft-training stage
 reads a record from `selection.json` by strategy name. `summary_table` prints the wave and the choices.
 
-Pure host-side functions of small arrays (no model, no device); every file is written atomically (temporary
-file in the same folder, then `os.replace`).
+Pure host-side functions of small arrays (no model, no device); the caller writes the records with
+`layerwave.atomic.write_json`.
 
 Legend (`layerwave.axes`): L target layers.
 """
@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ from layerwave.analysis import stats as stats_lib
 
 __all__ = ["SelectionOptions", "selection_options_from_config", "data_hash", "informativeness", "cka_matrix",
            "find_compartments", "run_selections", "stability_report", "layer_stats_record",
-           "selection_file_record", "load_selections", "summary_table", "write_json"]
+           "selection_file_record", "load_selections", "summary_table"]
 
 _GRANULARITIES = ("prompt", "dataset")
 _CKA_MODES = ("minibatch", "exact")
@@ -280,23 +279,6 @@ def load_selections(path: str | os.PathLike, num_layers: int | None = None,
     sel.validate_for(num_layers, hidden_size)
     out[name] = sel
   return out
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-  """Writes JSON atomically (temporary file in the same folder, then os.replace)."""
-  path = os.fspath(path)
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(selection_lib._jsonable(obj), f, indent=1, allow_nan=True)  # pylint: disable=protected-access
-      f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def summary_table(record: dict, selections: dict[str, selection_lib.LayerSelection]) -> str:

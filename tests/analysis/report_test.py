@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from layerwave import atomic
 from layerwave import selection
 from layerwave.analysis import report
 from layerwave.analysis import stats
@@ -38,7 +39,7 @@ def test_run_selections_every_strategy_and_records_validate(tmp_path):
   assert sels["eagle3"].ids == (2, 6, 9)
   assert 7 in sels["entropy"].ids and 7 in sels["greedy"].ids
   path = tmp_path / "selection.json"
-  report.write_json(path, report.selection_file_record(sels))
+  atomic.write_json(path, report.selection_file_record(sels))
   loaded = report.load_selections(path, num_layers=L, hidden_size=D)
   assert {k: v.ids for k, v in loaded.items()} == {k: v.ids for k, v in sels.items()}
   assert all(v.data_hash == "abc" for v in loaded.values())
