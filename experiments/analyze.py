@@ -7,18 +7,12 @@ Writes W/layer_stats.json, W/selection.json (one LayerSelection per strategy; th
 it with --config.selection.path=W/selection.json) and W/plots/*.png, and prints the summary table.
 """
 
-import os
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
-# scipy's OpenBLAS (behind XLA:CPU's eigvalsh) busy-waits with one thread per core; on a shared or small CPU
-# that slows the batched eigendecompositions by 10-40x. One thread is as fast when the machine is idle.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from layerwave.analysis import analyze  # pylint: disable=g-import-not-at-top,wrong-import-position
+from layerwave.analysis import analyze  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")

@@ -14,11 +14,10 @@ Then peak host memory (ru_maxrss) of the streaming accumulators over 1x and 10x 
 subprocess. Prints a markdown table; tokens/s counts real (attention-mask) tokens of the batch.
 """
 
-import os
-
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see experiments/analyze.py
+import layerwave  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
 
 import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
+import os  # pylint: disable=g-import-not-at-top,wrong-import-position
 import resource  # pylint: disable=g-import-not-at-top,wrong-import-position
 import subprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -95,7 +94,6 @@ def main(argv):
   if _MEMORY_CHILD.value:
     _memory_child(_MEMORY_CHILD.value)
     return
-  import layerwave  # pylint: disable=g-import-not-at-top
   from layerwave import data as data_lib  # pylint: disable=g-import-not-at-top
   from layerwave import inference  # pylint: disable=g-import-not-at-top
   from layerwave import sharding  # pylint: disable=g-import-not-at-top

@@ -12,17 +12,12 @@ HumanEval / GSM8K prompts, then W/results.md, W/results.json and W/plots/compare
 same --workdir skips finished cells; a workdir from a different config is refused.
 """
 
-import os
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
-# scipy's OpenBLAS (behind XLA:CPU's eigvalsh in the analysis) busy-waits with one thread per core.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from layerwave import compare  # pylint: disable=g-import-not-at-top,wrong-import-position
+from layerwave import compare  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Results folder (resumable).")

@@ -6,8 +6,19 @@ Public API (the pipeline in order):
   load_draft(path, target)          a trained EAGLE-3 draft (training workdir or EAGLE-3 HF directory)
   export_eagle3(draft, target, dir) the draft as an EAGLE-3 Hugging Face directory (vLLM, SGLang)
   load_eagle3(dir, target)          an EAGLE-3 Hugging Face directory (ours or a published draft)
+
+Importing layerwave sets OPENBLAS_NUM_THREADS=1 unless it is already set (below); launchers and the tests
+import it before numpy and jax for that reason.
 """
 
+import os
+
+# XLA:CPU's eigvalsh (the analysis' matrix entropy) runs on scipy's OpenBLAS, whose per-core spinning threads
+# slow it 10-40x when the cores are shared (CI runners, parallel jobs); one thread is as fast on an idle
+# machine. OpenBLAS reads the variable when it loads, so it is set before anything here imports numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from layerwave.export import export_eagle3, load_eagle3
 from layerwave.generate import generate
 from layerwave.inference import Target, load_target
