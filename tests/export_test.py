@@ -402,7 +402,7 @@ def test_export_workdir_reads_the_recorded_target(target, tmp_path):
   record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D)
   _, params, vocab, _ = step_lib.split_draft(draft)
   ckpt = ckpt_lib.Checkpointer(str(tmp_path / "w" / "checkpoints"))
-  ckpt.save(1, step_lib.init_state(params, step_lib.make_optimizer(1e-4, 1, 2)), vocab,
+  ckpt.save(1, step_lib.init_state(params, step_lib.OptimizerSettings(1e-4, 1, 2)), vocab,
             {"draft_config": draft.config.to_dict(), "selection": record.to_dict(),
              "config": {"model": target.path, "dtype": "float32"}})
   ckpt.close()

@@ -198,9 +198,9 @@ def run(config, workdir: str) -> dict[str, Any]:
   dataset, train_source, heldout = load_data(config, target)
   fingerprint = config_fingerprint(config)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-  tx = step_lib.make_optimizer(float(t.lr), int(t.warmup_steps), int(t.num_steps),
-                               clip_norm=float(t.clip_norm), b1=float(t.b1), b2=float(t.b2),
-                               weight_decay=float(t.weight_decay))
+  optimizer = step_lib.OptimizerSettings(float(t.lr), int(t.warmup_steps), int(t.num_steps),
+                                         clip_norm=float(t.clip_norm), b1=float(t.b1), b2=float(t.b2),
+                                         weight_decay=float(t.weight_decay))
   latest = ckpt.latest_step()
   if latest is not None:
     meta = ckpt.read_meta(latest)
@@ -218,11 +218,11 @@ def run(config, workdir: str) -> dict[str, Any]:
   target_embedding = target.params["embed_tokens"]["embedding"][...]
   embed = jax.tree.map(lambda _: target_embedding, frozen)
   if meta is None:
-    state = _replicate(step_lib.init_state(params, tx), mesh)
+    state = _replicate(step_lib.init_state(params, optimizer), mesh)
     vocab = _replicate(vocab, mesh)
     position = data_lib.Position()
   else:
-    abstract_state = jax.eval_shape(lambda p: step_lib.init_state(p, tx), params)
+    abstract_state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer), params)
     abstract_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)),
         abstract_state)
@@ -252,7 +252,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     tokens_seen += int(batch.attention_mask.sum())
     state, m = step_lib.train_step(state, vocab, embed, target.params,
                                    jax.device_put(arrays, batch_sharding), draft_graphdef=graphdef,
-                                   target_graphdef=target.graphdef, tx=tx, **kwargs)
+                                   target_graphdef=target.graphdef, optimizer=optimizer, **kwargs)
     done = step + 1
     if done % int(t.log_every) == 0 or done == stop:
       m = jax.device_get(m)
@@ -315,10 +315,10 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
         target.config.num_layers, target.config.hidden_size)
     abstract = nnx.eval_shape(lambda: Draft(dcfg, rngs=nnx.Rngs(0)))
     graphdef, params, vocab, frozen = step_lib.split_draft(abstract)
-    tx = step_lib.make_optimizer(1e-4, 1, 2)  # only its state's structure matters for the restore
+    optimizer = step_lib.OptimizerSettings(1e-4, 1, 2)  # only its state's structure matters here
     rep = sharding.replicated(target.mesh)
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
-    abstract_state = jax.tree.map(spec, jax.eval_shape(lambda p: step_lib.init_state(p, tx),
+    abstract_state = jax.tree.map(spec, jax.eval_shape(lambda p: step_lib.init_state(p, optimizer),
                                                        params))
     state, vocab, _ = ckpt.restore(abstract_state, jax.tree.map(spec, vocab), step)
   finally:

@@ -7,10 +7,15 @@ is sharded over the mesh's `'data'` axis and the parameters replicated; XLA inse
 The draft is split into three pytrees at the jit boundary: trainable `Param`s (in `TrainState`), the
 vocabulary tables (`VocabMap`, saved with the draft) and the frozen target embedding (`Frozen`, never saved:
 it is the target's).
+
+The optimizer enters the jitted step as its hyperparameters (`OptimizerSettings`, hashable and compared by
+value), and the step builds the optax chain inside the trace: equal settings share one compilation, where an
+optax transformation, a new object per call, would compile the step anew every time one is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -39,19 +44,43 @@ def split_draft(draft: Draft):
   return nnx.split(draft, nnx.Param, VocabMap, Frozen)
 
 
-def make_optimizer(lr: float, warmup_steps: int, total_steps: int, clip_norm: float = 0.5,
-                   b1: float = 0.9, b2: float = 0.95, weight_decay: float = 0.0,
-                   end_lr_fraction: float = 0.0) -> optax.GradientTransformation:
-  """AdamW with linear warmup and cosine decay, after global-norm clipping (METHOD §7)."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=lr, warmup_steps=max(int(warmup_steps), 1),
-      decay_steps=max(int(total_steps), int(warmup_steps) + 1), end_value=lr * end_lr_fraction)
-  return optax.chain(optax.clip_by_global_norm(clip_norm),
-                     optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+@dataclasses.dataclass(frozen=True)
+class OptimizerSettings:
+  """AdamW with linear warmup and cosine decay, after global-norm clipping (METHOD §7).
+
+  Hashable and compared by value: a static argument of `train_step`.
+
+  Attributes:
+    lr: peak learning rate.
+    warmup_steps: linear warmup from 0 to `lr`.
+    total_steps: the cosine decay ends here.
+    clip_norm: global gradient-norm clip.
+    b1, b2, weight_decay: AdamW's.
+    end_lr_fraction: the learning rate at `total_steps`, as a fraction of `lr`.
+  """
+
+  lr: float
+  warmup_steps: int
+  total_steps: int
+  clip_norm: float = 0.5
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.0
+  end_lr_fraction: float = 0.0
+
+  def build(self) -> optax.GradientTransformation:
+    """The optax transformation (a new object per call; its state's structure is always the same)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=self.lr, warmup_steps=max(int(self.warmup_steps), 1),
+        decay_steps=max(int(self.total_steps), int(self.warmup_steps) + 1),
+        end_value=self.lr * self.end_lr_fraction)
+    return optax.chain(optax.clip_by_global_norm(self.clip_norm),
+                       optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
 
 
-def init_state(params, tx: optax.GradientTransformation) -> TrainState:
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+def init_state(params, optimizer: OptimizerSettings) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.build().init(params))
 
 
 def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch, steps,
@@ -77,16 +106,17 @@ def _metrics(loss, aux):
           "sim_tau": losses.simulated_tau(aux["acc_j"])}
 
 
-@functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "tx", "steps",
-                                             "decay", "assistant_only"),
-                   donate_argnames=("state",))
+TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only")
+
+
+@functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
 def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_graphdef,
-               target_graphdef, tx, steps, decay, assistant_only):
+               target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only):
   """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device."""
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
                                target_params, batch, steps, decay, assistant_only)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  updates, opt_state = optimizer.build().update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   metrics = _metrics(loss, aux)
   metrics["grad_norm"] = optax.global_norm(grads)

@@ -55,13 +55,13 @@ def ttt_trained_draft(target, sequences, steps=300, ttt_steps=K + 1, seed=4) -> 
     batch["input_ids"][i, :len(s)], batch["attention_mask"][i, :len(s)] = s, 1
   batch["assistant_mask"] = batch["attention_mask"]
   graphdef, params, vocab, embed = step_lib.split_draft(draft)
-  tx = step_lib.make_optimizer(3e-3, 10, steps)
+  optimizer = step_lib.OptimizerSettings(3e-3, 10, steps)
   rep = sharding.replicated(target.mesh)
-  state = jax.device_put(step_lib.init_state(params, tx), rep)
+  state = jax.device_put(step_lib.init_state(params, optimizer), rep)
   batch = jax.device_put(batch, sharding.batch_sharding(target.mesh))
   for _ in range(steps):
     state, _ = step_lib.train_step(state, vocab, embed, target.params, batch, draft_graphdef=graphdef,
-                                   target_graphdef=target.graphdef, tx=tx, steps=ttt_steps,
+                                   target_graphdef=target.graphdef, optimizer=optimizer, steps=ttt_steps,
                                    decay=0.8, assistant_only=True)
   return nnx.merge(graphdef, state.params, vocab, embed)
 
