@@ -162,8 +162,6 @@ class CollectResult:
 # ----------------------------------------------------------------------------------------------------------
 # Jitted steps.
 
-_TRACES = {"stats_step": 0}  # trace counter: tests assert one compilation for a whole stream
-
 
 def _eligible(attention_mask, assistant_mask, assistant_only: bool):
   real = attention_mask.astype(bool)
@@ -214,7 +212,6 @@ def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, 
   Returns:
     The updated state.
   """
-  _TRACES["stats_step"] += 1
   out = inference.forward_fn(graphdef, params, tokens, attention_mask, return_hidden_states=True)
   return update_from_outputs(state, out.hidden_states, out.logits, attention_mask, assistant_mask, threshold,
                              index, options=options)

@@ -50,7 +50,6 @@ from layerwave.speculative import tree as tree_lib
 from layerwave.speculative import verify
 
 METHODS = ("chain", "tree")
-_TRACES = [0]  # incremented each time `_speculate` is traced (tests assert no retrace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +158,6 @@ class SpecState:
   accept_trace: jax.Array
 
 
-def trace_count() -> int:
-  """How many times the loop has been traced in this process (each trace compiles)."""
-  return _TRACES[0]
-
-
 def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, valid=None):
   """Draft positions `lengths + i` read (fused target features, next token); returns h at `last_index`.
 
@@ -229,13 +223,15 @@ def _commit_path(cache: KVCache, path, lengths) -> KVCache:
   return KVCache(tuple(move(x) for x in cache.keys), tuple(move(x) for x in cache.values))
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "draft_graphdef", "config", "mesh",
-                                             "layer_ids", "max_new_tokens", "slots", "sampling",
-                                             "options", "eos_ids"))
+# Everything that fixes the loop's shapes and code; equal values reuse one compilation.
+SPECULATE_STATIC = ("target_graphdef", "draft_graphdef", "config", "mesh", "layer_ids", "max_new_tokens",
+                    "slots", "sampling", "options", "eos_ids")
+
+
+@functools.partial(jax.jit, static_argnames=SPECULATE_STATIC)
 def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tokens, lengths, rng, *,
                config, mesh, layer_ids, max_new_tokens, slots, sampling, options, eos_ids):
   """Jitted prefill + speculative loop. Returns the final `SpecState`."""
-  _TRACES[0] += 1
   b, width = tokens.shape
   depth = options.max_depth
   draft = nnx.merge(draft_graphdef, draft_params)

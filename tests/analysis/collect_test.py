@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -141,13 +142,13 @@ def _options(**kw):
   return collect.CollectOptions(**base)
 
 
-def test_collection_matches_float64_reference(tiny):
+def test_collection_matches_float64_reference(tiny, monkeypatch):
   _, target = tiny
   batches = _batches(3)
   threshold = _threshold_in_a_gap(target, batches)
-  traces = collect._TRACES["stats_step"]
-  result = collect.collect_stats(target, batches, _options(threshold=threshold))
-  assert collect._TRACES["stats_step"] == traces + 1  # one compilation for the whole stream
+  chex.clear_trace_counter()
+  monkeypatch.setattr(collect, "stats_step", chex.assert_max_traces(collect.stats_step, n=1))
+  result = collect.collect_stats(target, batches, _options(threshold=threshold))  # one trace per stream
   ref = _reference(target, batches, threshold)
   f = result.filtered
   assert result.counts["kept"] == f.num_tokens == ref["kept"]
