@@ -1,11 +1,5 @@
 """8 simulated CPU devices give the same forward, hidden states and generations as one."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -13,35 +7,26 @@ import layerwave
 from layerwave import sharding
 
 from tests.models import hf_reference
+from tests.multidevice import run_on_eight_devices
 
-SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np, layerwave
-    assert len(jax.devices()) == 8
-    path, out = sys.argv[1], sys.argv[2]
+SCRIPT = """
+    import numpy as np
     ids = np.random.default_rng(0).integers(3, 97, size=(8, 9))
     result = {}
     for name, spec in [("data8", (("data", -1),)), ("data4_model2", (("data", -1), ("model", 2)))]:
-      t = layerwave.load_target(path, mesh_spec=spec)
+      t = layerwave.load_target(ARGS[0], mesh_spec=spec)
       o = t.forward(ids, return_hidden_states=True)
       result[name] = dict(logits=np.asarray(o.logits).tolist(),
                           hidden=np.asarray(o.hidden_states).tolist(),
                           gen=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 3, 6))
-    json.dump(result, open(out, "w"))
-""")
+    write_result(result)
+"""
 
 
 def test_eight_devices_match_one(tmp_path):
   path = str(tmp_path / "model")
   hf_reference.save_hf_model("qwen2", path)
-  out = str(tmp_path / "out.json")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  subprocess.run([sys.executable, "-c", SCRIPT, path, out], check=True, env=env, timeout=600)
-  with open(out) as f:
-    result = json.load(f)
+  result = run_on_eight_devices(SCRIPT, tmp_path, path)
   single = layerwave.load_target(path)
   ids = np.random.default_rng(0).integers(3, 97, size=(8, 9))
   ref = single.forward(ids, return_hidden_states=True)

@@ -6,11 +6,6 @@ equal 1, one compilation per stream, the percentile calibration, and the clear e
 """
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import chex
 import jax
@@ -22,6 +17,7 @@ from layerwave.analysis import collect
 from layerwave.analysis import token_filter
 
 from tests.models import hf_reference
+from tests.multidevice import run_on_eight_devices
 
 B, T = 8, 16
 
@@ -220,33 +216,20 @@ def test_clear_errors(tiny):
     collect.collect_stats(bad, _batches(1), _options(threshold=0.0, halves=False))
 
 
-SCRIPT = textwrap.dedent("""
-    import json, sys, dataclasses
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np, layerwave
+SCRIPT = """
     from layerwave.analysis import collect
-    sys.path.insert(0, sys.argv[3])
     from tests.analysis import collect_test as ct
-    assert len(jax.devices()) == 8
-    target = layerwave.load_target(sys.argv[1])
-    r = collect.collect_stats(target, ct._batches(3), ct._options(threshold=float(sys.argv[4])))
-    json.dump({"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts},
-              open(sys.argv[2], "w"))
-""")
+    target = layerwave.load_target(ARGS[0])
+    r = collect.collect_stats(target, ct._batches(3), ct._options(threshold=float(ARGS[1])))
+    write_result({"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts})
+"""
 
 
 def test_eight_devices_match_one(tiny, tmp_path):
   path, target = tiny
   batches = _batches(3)
   threshold = _threshold_in_a_gap(target, batches)
-  out = str(tmp_path / "out.json")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  subprocess.run([sys.executable, "-c", SCRIPT, path, out, root, repr(threshold)], check=True, env=env,
-                 timeout=600)
-  with open(out) as f:
-    multi = json.load(f)
+  multi = run_on_eight_devices(SCRIPT, tmp_path, path, repr(threshold))
   single = collect.collect_stats(target, batches, _options(threshold=threshold))
   assert multi["counts"] == single.counts
   for kind, stats in (("filtered", single.filtered), ("unfiltered", single.unfiltered)):

@@ -1,15 +1,9 @@
 """The jitted online train step: loss falls on a tiny overfit, one compile, 8 devices equal one."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,6 +14,7 @@ from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import step as step_lib
 
 from tests.models import hf_reference
+from tests.multidevice import run_on_eight_devices
 
 torch = pytest.importorskip("torch")
 
@@ -72,36 +67,25 @@ def test_loss_falls_and_step_compiles_once(tmp_path):
   assert int(state.step) == 120
 
 
-SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
+SCRIPT = """
     import numpy as np
-    sys.path.insert(0, sys.argv[3])
     from tests.training import step_test
-    import layerwave
     from layerwave.training import step as step_lib
-    assert len(jax.devices()) == 8
-    target = layerwave.load_target(sys.argv[1])
+    target = layerwave.load_target(ARGS[0])
     state, vocab, embed, batch, kw = step_test.setup(target, batch_size=8)
     for _ in range(3):
       state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
     leaves = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]
-    json.dump({"params": leaves, "loss": float(m["loss"])}, open(sys.argv[2], "w"))
-""")
+    write_result({"params": leaves, "loss": float(m["loss"])})
+"""
 
 
 def test_eight_devices_equal_one(tmp_path):
   target = make_peaky_target(str(tmp_path / "model"))
-  out = str(tmp_path / "out.json")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "model"), out, repo], check=True,
-                 env=env, timeout=600)
+  got = run_on_eight_devices(SCRIPT, tmp_path, tmp_path / "model")
   state, vocab, embed, batch, kw = setup(target, batch_size=8)
   for _ in range(3):
     state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
-  got = json.load(open(out))
   assert abs(got["loss"] - float(m["loss"])) < 1e-4
   for a, b in zip(got["params"], jax.tree.leaves(state.params)):
     np.testing.assert_allclose(a, b, atol=2e-5)
