@@ -1,7 +1,8 @@
 """layerwave.compare: layer sets against brute-force references, statistics, resumption, bad inputs.
 
-The end-to-end test runs experiments/compare_layers.py on the real SmolLM2 (`:smoke` budget) twice (the
-second run must skip every finished cell), grows it by a set, and checks the refusal of a different config.
+The end-to-end test runs experiments/compare_layers.py (`:smoke` budget) on the tiny chat target of
+tests/conftest.py (L = 8) twice (the second run must skip every finished cell), grows it by a set, and checks
+the refusal of a different config.
 """
 
 import itertools
@@ -16,6 +17,8 @@ import pytest
 
 from layerwave import compare
 from layerwave import selection
+
+from tests import configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L = 12
@@ -155,12 +158,7 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
 
 
 def _config():
-  sys.path.insert(0, os.path.join(ROOT, "configs"))
-  try:
-    import smollm2_135m  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.pop(0)
-  return smollm2_135m.get_config("smoke")
+  return configs.load("smoke")
 
 
 def test_workdir_of_a_different_config_is_refused(tmp_path):
@@ -254,15 +252,16 @@ def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
   assert untimed["T0/all"]["tau"] == pooled["tau"]
 
 
-def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
+def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_path):
   workdir = str(tmp_path / "w")
   base = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py"),
-          "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke", "--workdir=" + workdir]
+          "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke",
+          "--config.model=" + tiny_chat_target_dir, "--workdir=" + workdir]
   subprocess.run(base, check=True, cwd=ROOT, timeout=600)
   with open(os.path.join(workdir, "results.json")) as f:
     summary = json.load(f)
   rows = {r["name"]: r for r in summary["rows"]}
-  assert set(rows) == {"eagle3", "exhaustive"} and rows["eagle3"]["ids"] == [2, 15, 27]
+  assert set(rows) == {"eagle3", "exhaustive"} and rows["eagle3"]["ids"] == [2, 4, 5]
   assert summary["cells_done"] == 2
   for r in rows.values():
     tau = r["metrics"]["T0/all"]["mean"]
@@ -271,24 +270,25 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tmp_path):
     assert r["metrics"]["speedup:T0/all"]["mean"] > 0
     assert r["metrics"]["timing_pairs:T0/all"]["values"] == [3]  # one batch of 2 prompts, 3 repeats
     assert r["metrics"]["equal_to_ar:T0/all"]["mean"] == 1.0
-  with open(os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")) as f:
+  with open(os.path.join(workdir, "cells", "L2-4-5", "seed0", "result.json")) as f:
     cell = json.load(f)
   assert cell["eval"]["T0/mtbench"]["equal_to_ar"] == 1.0  # greedy speculative output == plain decoding
   timed = cell["eval"]["T0/mtbench"]
   assert timed["speedup_p25"] <= timed["speedup"] <= timed["speedup_p75"]
   assert timed["timing"].startswith("paired: median of 3 interleaved (ABBA) pairs")
-  cells = [os.path.join(workdir, "cells", "L2-15-27", "seed0", "result.json")]
+  cells = [os.path.join(workdir, "cells", "L2-4-5", "seed0", "result.json")]
   stamp = os.path.getmtime(cells[0])
   with open(os.path.join(workdir, "plots", "compare.png"), "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   with open(os.path.join(workdir, "results.md")) as f:
     table = f.read()
-  assert "| **eagle3** | 2,15,27 |" in table and "the median of 3 pair ratios" in table
+  assert "| **eagle3** | 2,4,5 |" in table and "the median of 3 pair ratios" in table
   # Rerun with one more manual set: finished cells are skipped, only the new one trains.
-  grown = subprocess.run(base + ["--config.compare.manual=27,28,29"], check=True, cwd=ROOT, timeout=600,
-                         capture_output=True, text=True)
+  manual = next(s for s in ([5, 6, 7], [1, 2, 3]) if s not in [r["ids"] for r in rows.values()])  # a new set
+  grown = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual))], check=True, cwd=ROOT,
+                         timeout=600, capture_output=True, text=True)
   assert os.path.getmtime(cells[0]) == stamp
-  assert "Cell 1/3" not in grown.stderr and "Cell 3/3: manual-0 [27, 28, 29] seed 0" in grown.stderr
+  assert "Cell 1/3" not in grown.stderr and f"Cell 3/3: manual-0 {manual} seed 0" in grown.stderr
   with open(os.path.join(workdir, "results.json")) as f:
     assert json.load(f)["cells_done"] == 3
   # A typo fails before anything is recorded: the corrected config then starts cleanly in that workdir.

@@ -1,7 +1,30 @@
-"""Shared pytest set-up: CPU JAX with float32 matmuls at full precision for parity tests."""
+"""Shared pytest set-up: CPU JAX with float32 matmuls at full precision for parity tests, and a tiny target.
+
+`tiny_chat_target_dir`: a random 8-layer Llama (D = 32) that speaks SmolLM2's tokenizer and chat template, so
+the real data pipeline, the analysis, training and comparison stages run on it in seconds. Eight layers, so
+EAGLE-3's rule (2, L//2, L-3) gives distinct ids: (2, 4, 5).
+"""
+
+import os
+import shutil
 
 import layerwave  # pylint: disable=unused-import  # first: it sets OPENBLAS_NUM_THREADS before jax loads
 
 import jax  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
+
+from layerwave.models import hub  # pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_target_dir(tmp_path_factory):
+  hf_reference = pytest.importorskip("tests.models.hf_reference")  # needs torch
+  directory = str(tmp_path_factory.mktemp("tiny_chat_target"))
+  smol = hub.resolve("smollm2-135m-instruct")
+  hf_reference.save_hf_model_with(directory, vocab_size=49152, num_hidden_layers=8,
+                                  eos_token_id=2, bos_token_id=1, pad_token_id=2)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(smol, name), os.path.join(directory, name))
+  return directory

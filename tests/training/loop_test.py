@@ -57,7 +57,7 @@ def test_load_draft_refuses_another_target(tiny_config, tmp_path):
   tiny_config.train.checkpoint_every = 1
   loop.run(tiny_config, str(tmp_path))
   other = layerwave.load_target("smollm2-135m-instruct")
-  with pytest.raises(ValueError, match=r"\(L, D, V\) = \(4, 32, 49152\)"):
+  with pytest.raises(ValueError, match=r"\(L, D, V\) = \(8, 32, 49152\)"):
     layerwave.load_draft(str(tmp_path), other)
   with pytest.raises(FileNotFoundError, match="No draft"):
     layerwave.load_draft(str(tmp_path / "nothing"), other)
@@ -80,7 +80,7 @@ def test_bad_training_inputs(tiny_config, tmp_path, edit, error, match):
 
 def test_selection_file_without_the_strategy(tiny_config, tmp_path):
   path = tmp_path / "selection.json"
-  record = {"ids": [1, 3], "num_layers": 4, "hidden_size": 32, "strategy": "greedy"}
+  record = {"ids": [1, 3], "num_layers": 8, "hidden_size": 32, "strategy": "greedy"}
   path.write_text(json.dumps({"greedy": record}))
   tiny_config.layers = ""
   tiny_config.selection.path = str(path)
