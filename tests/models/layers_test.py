@@ -1,0 +1,104 @@
+"""layerwave.models.layers against float64 numpy: linear, RMSNorm, RoPE frequencies and rotation, GQA, MLP."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from layerwave.models import layers
+
+RNG = np.random.default_rng(0)
+
+
+def _silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def test_linear_is_x_at_kernel_plus_bias():
+  lin = layers.Linear(5, 3, use_bias=True, rngs=nnx.Rngs(0))
+  lin.bias[...] = jnp.asarray(RNG.normal(size=3), jnp.float32)
+  x = RNG.normal(size=(2, 4, 5)).astype(np.float32)
+  kernel, bias = np.asarray(lin.kernel[...], np.float64), np.asarray(lin.bias[...], np.float64)
+  assert kernel.shape == (5, 3)
+  np.testing.assert_allclose(lin(jnp.asarray(x)), x @ kernel + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_matches_numpy_and_keeps_the_input_dtype(dtype):
+  norm = layers.RMSNorm(16, 1e-5)
+  norm.scale[...] = jnp.asarray(RNG.uniform(0.5, 1.5, 16), jnp.float32)
+  x = jnp.asarray(RNG.normal(size=(3, 16)) * 4, dtype)
+  x64 = np.asarray(x.astype(jnp.float32), np.float64)
+  ref = np.asarray(norm.scale[...], np.float64) * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5)
+  out = norm(x)
+  assert out.dtype == dtype
+  np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), ref, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def _llama3_reference(inv_freq, factor, low, high, old_len):
+  """Hugging Face's llama3 rule written per frequency."""
+  out = []
+  for f in inv_freq:
+    wavelen = 2 * math.pi / f
+    if wavelen < old_len / high:
+      out.append(f)
+    elif wavelen > old_len / low:
+      out.append(f / factor)
+    else:
+      smooth = (old_len / wavelen - low) / (high - low)
+      out.append((1 - smooth) * f / factor + smooth * f)
+  return np.array(out)
+
+
+def test_rope_inverse_frequencies():
+  plain = layers.rope_inv_freq(64, 10000.0, None)
+  np.testing.assert_allclose(plain, 10000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-12)
+  linear = layers.rope_inv_freq(64, 10000.0, {"rope_type": "linear", "factor": 4.0})
+  np.testing.assert_allclose(linear, plain / 4, rtol=1e-12)
+  scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 64}
+  got = layers.rope_inv_freq(64, 500000.0, scaling)
+  base = layers.rope_inv_freq(64, 500000.0, None)
+  np.testing.assert_allclose(got, _llama3_reference(base, 8.0, 1.0, 4.0, 64), rtol=1e-12)
+  assert got[0] == base[0] and got[-1] == pytest.approx(base[-1] / 8) and (got <= base).all()
+
+
+def test_rope_rotates_pairs_by_relative_position():
+  inv_freq = jnp.asarray(layers.rope_inv_freq(8, 100.0, None), jnp.float32)
+  q = jnp.asarray(RNG.normal(size=(1, 1, 2, 8)), jnp.float32)
+  k = jnp.asarray(RNG.normal(size=(1, 1, 2, 8)), jnp.float32)
+  rope = lambda x, p: layers.apply_rope(x, jnp.full((1, 1), p), inv_freq)  # noqa: E731
+  np.testing.assert_allclose(rope(q, 0), q, atol=1e-6)  # position 0 is the identity
+  np.testing.assert_allclose(jnp.linalg.norm(rope(q, 7), axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+  dots = [float(jnp.sum(rope(q, m) * rope(k, m - 3))) for m in (3, 10, 40)]
+  np.testing.assert_allclose(dots, dots[0], rtol=1e-4)  # only the distance m - n matters
+  assert abs(float(jnp.sum(rope(q, 10) * rope(k, 3))) - dots[0]) > 1e-3  # and it does matter
+
+
+def test_grouped_query_attention_matches_numpy():
+  b, t, s, h, g, dh = 2, 3, 5, 4, 2, 8
+  q = RNG.normal(size=(b, t, h, dh)).astype(np.float32)
+  k = RNG.normal(size=(b, s, g, dh)).astype(np.float32)
+  v = RNG.normal(size=(b, s, g, dh)).astype(np.float32)
+  mask = RNG.random((b, t, s)) < 0.6
+  mask[..., 0] = True  # every query reads at least one key
+  got = np.asarray(layers.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+  ref = np.zeros((b, t, h, dh))
+  for head in range(h):
+    kv = head // (h // g)  # query heads share key/value heads in consecutive groups
+    scores = np.einsum("btd,bsd->bts", q[:, :, head].astype(np.float64), k[:, :, kv]) / math.sqrt(dh)
+    scores = np.where(mask, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref[:, :, head] = np.einsum("bts,bsd->btd", p, v[:, :, kv])
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_mlp_matches_numpy():
+  mlp = layers.MLP(6, 10, rngs=nnx.Rngs(1))
+  x = RNG.normal(size=(2, 6)).astype(np.float32)
+  w = {n: np.asarray(getattr(mlp, n).kernel[...], np.float64) for n in ("gate_proj", "up_proj", "down_proj")}
+  ref = (_silu(x @ w["gate_proj"]) * (x @ w["up_proj"])) @ w["down_proj"]
+  np.testing.assert_allclose(mlp(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,76 @@
+"""layerwave.plots: every figure from plain dicts (as read back from the JSON files), written atomically."""
+
+import os
+
+import matplotlib.image
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from layerwave import plots
+
+L = 6
+
+
+def _record():
+  rng = np.random.default_rng(0)
+  wave = lambda: (1 + 0.1 * rng.random(L + 1)).tolist()  # noqa: E731
+  stats = {"prompt_entropy": wave(), "prompt_entropy_normalized": wave(), "dataset_entropy": wave(),
+           "dataset_entropy_normalized": wave(), "alpha": 1.0, "cka_exact": None,
+           "cka_minibatch": np.clip(np.eye(L + 1) + 0.3, 0, 1).tolist()}
+  edges = np.linspace(0, 10, 11)
+  return {"layer_ids": list(range(L + 1)), "model": {"name": "tiny"}, "filtered": stats, "unfiltered": dict(stats),
+          "compartments": {"blocks": [[1, 3], [3, 6]]}, "filter": {"threshold_nats": 4.0,
+                                                                   "unfiltered_control": "matched"},
+          "selection_inputs": {"granularity": "prompt", "cka": "minibatch"},
+          "token_entropy": {"histogram_edges": edges.tolist(), "histogram_eligible": [10] * 10,
+                            "histogram_kept": [0] * 4 + [10] * 6}}
+
+
+def _is_png(path):
+  image = matplotlib.image.imread(path)
+  return image.ndim == 3 and min(image.shape[:2]) > 100
+
+
+def test_plot_all_writes_every_figure_and_closes_it(tmp_path):
+  open_before = plt.get_fignums()
+  paths = plots.plot_all(str(tmp_path / "plots"), _record(), {"eagle3": (2, 3, 4), "greedy": [1, 5]})
+  names = sorted(os.path.basename(p) for p in paths)
+  assert names == ["cka_filtered.png", "cka_unfiltered.png", "entropy_wave.png", "selections.png",
+                   "token_entropy.png"]
+  assert sorted(os.listdir(tmp_path / "plots")) == names  # no temporary file left
+  assert all(_is_png(p) for p in paths) and plt.get_fignums() == open_before
+
+
+def test_cka_figure_marks_the_compartments_in_red(tmp_path):
+  matrix = np.full((L + 1, L + 1), 0.2)
+  plain = matplotlib.image.imread(plots.plot_cka(str(tmp_path / "plain.png"), matrix, []))
+  boxed = matplotlib.image.imread(plots.plot_cka(str(tmp_path / "boxed.png"), matrix, [[1, 4]]))
+  red = lambda im: np.sum((im[..., 0] > 0.8) & (im[..., 1] < 0.3) & (im[..., 2] < 0.3))  # noqa: E731
+  assert red(plain) == 0 and red(boxed) > 50
+
+
+def test_comparison_figure(tmp_path):
+  def row(name, kind, tau, objective):
+    return {"name": name, "ids": [1, 2, 3], "kind": kind, "objective": objective, "acceptance": [0.5, 0.2],
+            "metrics": {"T0/all": {"mean": tau, "ci95": 0.05}}}
+  rows = [row("eagle3", "baseline", 1.3, 0.5), row("exhaustive", "strategy", 1.4, 0.9),
+          row("random-0", "random", float("nan"), 0.1)]
+  summary = {"primary": "T0/all", "rows": rows, "baseline": "eagle3",
+             "spearman_objective": {"T0/all": {"rho": float("nan"), "p": float("nan"), "num_sets": 2}}}
+  assert _is_png(plots.plot_comparison(str(tmp_path / "compare.png"), summary))
+
+
+def test_a_failed_save_leaves_nothing_and_closes_the_figure(tmp_path, monkeypatch):
+  fig, ax = plt.subplots()
+  ax.plot([0, 1])
+
+  def broken(path, **kw):
+    with open(path, "wb") as f:
+      f.write(b"half")
+    raise OSError("disk full")
+
+  monkeypatch.setattr(fig, "savefig", broken)
+  with pytest.raises(OSError, match="disk full"):
+    plots.save_figure(fig, str(tmp_path / "x.png"))
+  assert os.listdir(tmp_path) == [] and fig.number not in plt.get_fignums()
