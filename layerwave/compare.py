@@ -148,7 +148,7 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
       add(item, select(ablation, lam_=0.0), "ablation", f"{ablation} with λ = 0 (entropy only)")
     elif item == "cka_only":
       zeros = np.zeros_like(e)
-      ids = selection_lib._exhaustive(np.asarray(candidates), k, zeros, c, 1.0, min_gap)  # pylint: disable=protected-access
+      ids = selection_lib.exhaustive_search(np.asarray(candidates), k, zeros, c, 1.0, min_gap)
       add(item, ids, "ablation", "the k least similar layers (Σ C minimal), entropy ignored")
     else:
       raise ValueError(f"compare.sets names {item!r}, which is neither a strategy "

@@ -387,7 +387,7 @@ def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None)
     return ids
   if not written:  # both engines then capture EAGLE-3's default, before blocks (2, L//2, L-3)
     return selection_lib.eagle3_layer_ids(num_layers)
-  written = [selection_lib._as_int(i) for i in written]  # pylint: disable=protected-access
+  written = [selection_lib.as_layer_id(i) for i in written]
   convention = id_convention
   if convention is None:
     if min(written) <= 1:  # the engines disagree: see engine_layer_ids

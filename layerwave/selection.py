@@ -37,6 +37,8 @@ __all__ = [
     "STRATEGIES",
     "LayerSelection",
     "eagle3_layer_ids",
+    "as_layer_id",
+    "exhaustive_search",
     "from_block_outputs",
     "to_block_outputs",
     "default_candidates",
@@ -67,7 +69,7 @@ def from_block_outputs(block_ids: Sequence[int], num_layers: int | None = None) 
   """
   out = []
   for j in block_ids:
-    j = _as_int(j)
+    j = as_layer_id(j)
     if j < 0 or (num_layers is not None and j > num_layers - 2):
       raise ValueError(f"block-output id {j} has no hf_hidden_states equivalent "
                        f"(valid: 0..{'L-2' if num_layers is None else num_layers - 2})")
@@ -87,7 +89,7 @@ def to_block_outputs(ids: Sequence[int], num_layers: int | None = None) -> tuple
   """
   out = []
   for i in ids:
-    i = _as_int(i)
+    i = as_layer_id(i)
     if i < 1 or (num_layers is not None and i > num_layers - 1):
       raise ValueError(f"hf id {i} has no block-output equivalent (0 = embeddings, L = final norm)")
     out.append(i - 1)
@@ -124,7 +126,8 @@ def eagle3_layer_ids(num_layers: int, k: int = 3) -> tuple[int, ...]:
 # The record.
 
 
-def _as_int(v) -> int:
+def as_layer_id(v) -> int:
+  """An integer-valued number (a layer id, L or D read from JSON) as an int; ValueError otherwise."""
   if isinstance(v, bool) or not float(v).is_integer():
     raise ValueError(f"layer id {v!r} is not an integer")
   return int(v)
@@ -165,10 +168,10 @@ class LayerSelection:
       raise ValueError(
           f"layer ids in convention {self.convention!r}; only {CONVENTION!r} is stored. Convert "
           "SpecForge / TensorRT-LLM 'output of block j' ids with from_block_outputs (hf id = block id + 1)")
-    num_layers = _as_int(self.num_layers)
+    num_layers = as_layer_id(self.num_layers)
     if num_layers < 1:
       raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    ids = tuple(_as_int(i) for i in self.ids)
+    ids = tuple(as_layer_id(i) for i in self.ids)
     if not ids:
       raise ValueError("a layer selection needs at least one id")
     dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -191,14 +194,14 @@ class LayerSelection:
                   "convert them with from_block_outputs")
         raise ValueError(f"strategy 'eagle3' with ids {list(ids)}, but the rule (2, L//2, L-3) gives "
                          f"{list(expected)} for L={num_layers}{hint}")
-    if self.hidden_size is not None and _as_int(self.hidden_size) < 1:
+    if self.hidden_size is not None and as_layer_id(self.hidden_size) < 1:
       raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
     if self.min_gap < 0:
       raise ValueError(f"min_gap must be >= 0, got {self.min_gap}")
     object.__setattr__(self, "ids", ids)
     object.__setattr__(self, "num_layers", num_layers)
     if self.hidden_size is not None:
-      object.__setattr__(self, "hidden_size", _as_int(self.hidden_size))
+      object.__setattr__(self, "hidden_size", as_layer_id(self.hidden_size))
 
   @property
   def k(self) -> int:
@@ -323,7 +326,8 @@ def _max_feasible(candidates: Sequence[int], min_gap: int) -> int:
   return count
 
 
-def _exhaustive(cands: np.ndarray, k: int, e_hat, cka, lam, min_gap) -> tuple[int, ...]:
+def exhaustive_search(cands: np.ndarray, k: int, e_hat, cka, lam, min_gap) -> tuple[int, ...]:
+  """The k-subset of `cands` with the largest `subset_objective` among those `min_gap` apart (all of them)."""
   total = math.comb(len(cands), k)
   if total > _MAX_SUBSETS:
     raise ValueError(f"exhaustive search over C({len(cands)}, {k}) = {total} subsets exceeds {_MAX_SUBSETS}; "
@@ -422,7 +426,7 @@ def select_layers(
 
   if candidates is None:
     candidates = default_candidates(num_layers, include_embeddings, include_final)
-  cands = np.array(sorted({_as_int(i) for i in candidates}), dtype=np.int64)
+  cands = np.array(sorted({as_layer_id(i) for i in candidates}), dtype=np.int64)
   if cands.size == 0 or cands.min() < 0 or cands.max() > num_layers:
     raise ValueError(f"candidates must be non-empty ids in [0, {num_layers}], got {list(candidates)}")
   if k > cands.size:
@@ -451,11 +455,11 @@ def select_layers(
     order = cands[np.argsort(-e_hat[cands], kind="stable")]
     ids = tuple(int(i) for i in order[:k])
     if not _gap_ok(np.array([ids]), min_gap)[0]:
-      ids = _exhaustive(cands, k, e_hat, c_use, 0.0, min_gap)
+      ids = exhaustive_search(cands, k, e_hat, c_use, 0.0, min_gap)
   elif strategy == "greedy":
     ids = _greedy(cands, k, e_hat, c_use, lam, min_gap)
   elif strategy == "exhaustive":
-    ids = _exhaustive(cands, k, e_hat, c_use, lam, min_gap)
+    ids = exhaustive_search(cands, k, e_hat, c_use, lam, min_gap)
   elif strategy == "compartment":
     if compartments is None:
       sub = c_use[np.ix_(cands, cands)]
@@ -474,7 +478,7 @@ def select_layers(
     reps_arr = np.array(reps, dtype=np.int64)
     if _max_feasible(reps, min_gap) < k and min_gap > 1:
       raise ValueError(f"no {k} compartment representatives {reps} are min_gap={min_gap} apart")
-    ids = _exhaustive(reps_arr, k, e_hat, c_use, lam, min_gap)
+    ids = exhaustive_search(reps_arr, k, e_hat, c_use, lam, min_gap)
     extra["compartments"] = [list(b) for b in blocks]
     extra["representatives"] = reps
   else:  # random
