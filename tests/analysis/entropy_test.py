@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from layerwave.analysis import entropy as me
+from layerwave.analysis import entropy
 
 
 def _ref_entropy(z, alpha=1.0, normalize=True):
@@ -33,27 +33,27 @@ def _low_rankish(rng, n, d, rank=4):
 @pytest.mark.parametrize("normalize", [True, False])
 def test_matrix_entropy_matches_reference(alpha, n, d, normalize):
   z = _low_rankish(np.random.default_rng(n * d), n, d)
-  got = me.matrix_entropy(jnp.asarray(z, jnp.float32), alpha=alpha, normalize=normalize)
+  got = entropy.matrix_entropy(jnp.asarray(z, jnp.float32), alpha=alpha, normalize=normalize)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(float(got), _ref_entropy(z, alpha, normalize), rtol=2e-4, atol=2e-4)
 
 
 def test_alpha_limits_and_ordering():
   z = jnp.asarray(_low_rankish(np.random.default_rng(3), 9, 16), jnp.float32)
-  near_one = me.matrix_entropy(z, alpha=1.0 + 1e-3)
-  np.testing.assert_allclose(near_one, me.matrix_entropy(z, alpha=1.0), rtol=2e-3)
+  near_one = entropy.matrix_entropy(z, alpha=1.0 + 1e-3)
+  np.testing.assert_allclose(near_one, entropy.matrix_entropy(z, alpha=1.0), rtol=2e-3)
   # Rényi entropy is non-increasing in alpha.
-  values = [float(me.matrix_entropy(z, alpha=a)) for a in (0.5, 1.0, 2.0, 3.0)]
+  values = [float(entropy.matrix_entropy(z, alpha=a)) for a in (0.5, 1.0, 2.0, 3.0)]
   assert all(a >= b - 1e-5 for a, b in zip(values, values[1:]))
 
 
 def test_isotropic_gives_log_rank_and_bad_alpha():
   z = jnp.eye(6, dtype=jnp.float32)
   for alpha in (0.5, 1.0, 2.0):
-    np.testing.assert_allclose(me.matrix_entropy(z, alpha=alpha, normalize=False), np.log(6), rtol=1e-5)
+    np.testing.assert_allclose(entropy.matrix_entropy(z, alpha=alpha, normalize=False), np.log(6), rtol=1e-5)
   for bad in (0.0, -1.0):
     with pytest.raises(ValueError, match="alpha"):
-      me.matrix_entropy(z, alpha=bad)
+      entropy.matrix_entropy(z, alpha=bad)
 
 
 @pytest.mark.parametrize("t,d", [(10, 16), (12, 5)])
@@ -63,7 +63,7 @@ def test_masked_equals_unmasked_on_subset(t, d):
   mask = np.zeros(t, bool)
   mask[[0, 2, 3, 6, 7, 9]] = True
   for alpha in (0.5, 1.0, 2.0):
-    h, hn = me.masked_matrix_entropy(jnp.asarray(z, jnp.float32), jnp.asarray(mask), alpha)
+    h, hn = entropy.masked_matrix_entropy(jnp.asarray(z, jnp.float32), jnp.asarray(mask), alpha)
     ref = _ref_entropy(z[mask], alpha)
     np.testing.assert_allclose(h, ref, rtol=3e-4, atol=3e-4)
     np.testing.assert_allclose(hn, ref / np.log(min(mask.sum(), d)), rtol=3e-4, atol=3e-4)
@@ -71,9 +71,9 @@ def test_masked_equals_unmasked_on_subset(t, d):
 
 def test_masked_degenerate_sequences_are_zero():
   z = jnp.ones((5, 4))
-  h, hn = me.masked_matrix_entropy(z, jnp.array([True, False, False, False, False]))
+  h, hn = entropy.masked_matrix_entropy(z, jnp.array([True, False, False, False, False]))
   assert float(h) == 0.0 and float(hn) == 0.0
-  h, _ = me.masked_matrix_entropy(z, jnp.zeros((5,), bool))
+  h, _ = entropy.masked_matrix_entropy(z, jnp.zeros((5,), bool))
   assert float(h) == 0.0
 
 
@@ -83,7 +83,7 @@ def test_prompt_entropy_all_layers_vmapped_and_jitted():
   hidden = rng.normal(size=(l1, b, t, d)) * np.arange(1, l1 + 1)[:, None, None, None]
   mask = rng.random((b, t)) < 0.7
   mask[:, :3] = True
-  fn = jax.jit(me.prompt_entropy, static_argnums=(2, 3))
+  fn = jax.jit(entropy.prompt_entropy, static_argnums=(2, 3))
   h, hn = fn(jnp.asarray(hidden, jnp.float32), jnp.asarray(mask), 1.0, True)
   assert h.shape == hn.shape == (l1, b)
   for layer in range(l1):
@@ -99,7 +99,7 @@ def test_covariance_entropy_equals_centred_gram_entropy():
   s2 = jnp.asarray(x.T @ x, jnp.float32)
   s1 = jnp.asarray(x.sum(0), jnp.float32)
   for alpha in (0.5, 1.0, 2.0):
-    h, hn = me.covariance_entropy(s2, s1, 11, alpha)
+    h, hn = entropy.covariance_entropy(s2, s1, 11, alpha)
     xc = x - x.mean(0)
     ref = _ref_entropy(xc, alpha, normalize=False)
     np.testing.assert_allclose(h, ref, rtol=1e-3, atol=1e-3)
@@ -108,25 +108,25 @@ def test_covariance_entropy_equals_centred_gram_entropy():
 
 def test_nonfinite_layers_names_the_layer():
   hidden = jnp.zeros((4, 2, 3, 5))
-  assert not np.any(me.nonfinite_layers(hidden))
+  assert not np.any(entropy.nonfinite_layers(hidden))
   hidden = hidden.at[2, 1, 0, 3].set(jnp.nan).at[3, 0, 2, 0].set(jnp.inf)
-  flags = jax.jit(me.nonfinite_layers)(hidden)
+  flags = jax.jit(entropy.nonfinite_layers)(hidden)
   np.testing.assert_array_equal(flags, [False, False, True, True])
   with pytest.raises(FloatingPointError, match=r"\[2, 3\]"):
-    me.check_finite(flags)
+    entropy.check_finite(flags)
   # A NaN at a masked-out (padding) position is ignored when a mask is given.
   mask = jnp.ones((2, 3), bool).at[0, 2].set(False)
-  np.testing.assert_array_equal(me.nonfinite_layers(hidden, mask), [False, False, True, False])
+  np.testing.assert_array_equal(entropy.nonfinite_layers(hidden, mask), [False, False, True, False])
 
 
 def test_prompt_entropy_bucketed_compaction_is_exact():
   # Kept counts per batch pick different rungs of the ladder; results equal the uncompacted computation.
   rng = np.random.default_rng(11)
   l1, b, t, d = 2, 3, 40, 48
-  assert me.bucket_sizes(t, d) == (16, 24, 32, 40)
-  assert me.bucket_sizes(700, 576)[-2:] == (576, 700)  # T > D: last rung keeps the D×D covariance
+  assert entropy.bucket_sizes(t, d) == (16, 24, 32, 40)
+  assert entropy.bucket_sizes(700, 576)[-2:] == (576, 700)  # T > D: last rung keeps the D×D covariance
   hidden = jnp.asarray(rng.normal(size=(l1, b, t, d)), jnp.float32)
-  fn = jax.jit(me.prompt_entropy, static_argnums=(2, 3, 4))
+  fn = jax.jit(entropy.prompt_entropy, static_argnums=(2, 3, 4))
   for counts in ((3, 9, 14), (20, 2, 5), (40, 31, 0)):
     mask = np.zeros((b, t), bool)
     for row, n in enumerate(counts):
@@ -136,4 +136,4 @@ def test_prompt_entropy_bucketed_compaction_is_exact():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="buckets"):
-    me.prompt_entropy(hidden, jnp.asarray(mask), buckets=(8, 16))
+    entropy.prompt_entropy(hidden, jnp.asarray(mask), buckets=(8, 16))
