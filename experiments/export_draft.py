@@ -4,7 +4,7 @@
   python experiments/export_draft.py --draft=W --out=out/my-eagle3 --overwrite --dtype=bfloat16
 
 Loads the target recorded in W's checkpoint (or --model), then the draft, and writes config.json +
-model.safetensors (see layerwave/export.py for the layer-id convention each engine reads; config.json's
+model.safetensors (layerwave/training/restore.py loads the draft; see layerwave/export.py for the layer-id convention each engine reads; config.json's
 `layerwave.engine_note` says which layers each engine version feeds this draft). Serve it with e.g.
   vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "out/my-eagle3", ...}'
 Engines run the draft in the target's dtype: for a bfloat16 serving target export --dtype=bfloat16.
@@ -18,7 +18,7 @@ import os
 from absl import app
 from absl import flags
 
-from layerwave import export
+from layerwave.training import restore
 
 _DRAFT = flags.DEFINE_string("draft", None, "Training workdir of the draft.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Directory to create.", required=True)
@@ -42,10 +42,10 @@ _NONSTANDARD_K = flags.DEFINE_bool(
 
 def main(argv):
   del argv
-  out = export.export_workdir(_DRAFT.value, _OUT.value, model=_MODEL.value, step=_STEP.value,
-                              overwrite=_OVERWRITE.value, dtype=_DTYPE.value,
-                              include_embedding=_EMBED.value, allow_first_id_1=_FIRST_ID_1.value,
-                              allow_nonstandard_k=_NONSTANDARD_K.value)
+  out = restore.export_workdir(_DRAFT.value, _OUT.value, model=_MODEL.value, step=_STEP.value,
+                               overwrite=_OVERWRITE.value, dtype=_DTYPE.value,
+                               include_embedding=_EMBED.value, allow_first_id_1=_FIRST_ID_1.value,
+                               allow_nonstandard_k=_NONSTANDARD_K.value)
   with open(os.path.join(out, "config.json")) as f:
     print(json.load(f)["layerwave"]["engine_note"])  # which layers each engine version will feed it
   print(out)

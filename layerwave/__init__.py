@@ -26,9 +26,21 @@ from layerwave.models.config import ModelConfig
 from layerwave.models.kv_cache import KVCache
 from layerwave.models.target import TargetOutput
 from layerwave.sampling import SamplingParams
-from layerwave.training.loop import load_draft
 from layerwave import speculative  # layerwave.speculative.generate
 
 __all__ = ["KVCache", "ModelConfig", "SamplingParams", "Target", "TargetOutput", "export_eagle3",
            "generate", "load_draft", "load_eagle3",
            "load_target"]
+
+# Entry points whose modules import heavy dependencies (orbax through the checkpoints), loaded on first use so
+# that `import layerwave` stays light: {name: module}.
+_LAZY = {"load_draft": "layerwave.training.restore"}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib  # pylint: disable=g-import-not-at-top
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'layerwave' has no attribute {name!r}")

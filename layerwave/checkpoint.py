@@ -56,15 +56,3 @@ class Checkpointer:
     self._manager.wait_until_finished()
     self._manager.close()
 
-
-def checkpoint_dir(path: str) -> str:
-  """A training workdir's `checkpoints/` directory (or `path` itself if it is one).
-
-  Raises:
-    FileNotFoundError: `path` is neither.
-  """
-  directory = os.path.join(path, "checkpoints") if os.path.isdir(
-      os.path.join(path, "checkpoints")) else path
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No draft at {path}: expected a training workdir with checkpoints/.")
-  return directory

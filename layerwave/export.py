@@ -62,7 +62,7 @@ from layerwave.inference import Target, parse_dtype
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import Draft, DraftConfig
 
-__all__ = ["ARCHITECTURE", "ENGINES", "engine_layer_ids", "engine_note", "export_eagle3", "export_workdir",
+__all__ = ["ARCHITECTURE", "ENGINES", "engine_layer_ids", "engine_note", "export_eagle3",
            "is_eagle3_dir", "load_eagle3", "read_tensors"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM's registry maps it to its Eagle3 Llama
@@ -302,36 +302,6 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
       json.dump(eagle3_config(draft, selection, dtype), f, indent=2)
     save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
   return out_dir
-
-
-def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step: int | None = None,
-                   overwrite: bool = False, dtype: str = "float32", include_embedding: bool = False,
-                   allow_first_id_1: bool = False, allow_nonstandard_k: bool = False) -> str:
-  """Exports the draft of a training workdir, loading the target it recorded (or `model`).
-
-  Keyword arguments after `step` are `export_eagle3`'s.
-
-  Returns:
-    `out_dir`.
-  """
-  # Imported here: training.loop imports this module (load_draft reads EAGLE-3 directories).
-  from layerwave import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from layerwave.inference import load_target  # pylint: disable=g-import-not-at-top
-  from layerwave.training import loop  # pylint: disable=g-import-not-at-top
-  ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(workdir))
-  try:
-    meta = ckpt.read_meta(step)
-  finally:
-    ckpt.close()
-  spec = model or (meta.get("config") or {}).get("model")
-  if not spec:
-    raise ValueError(f"{workdir} does not record its target model; pass --model.")
-  target = load_target(spec, dtype=(meta.get("config") or {}).get("dtype", "float32"))
-  draft = loop.load_draft(workdir, target, step)
-  record = selection_lib.LayerSelection.from_dict(meta["selection"])
-  return export_eagle3(draft, target, out_dir, selection=record, overwrite=overwrite, dtype=dtype,
-                       include_embedding=include_embedding, allow_first_id_1=allow_first_id_1,
-                       allow_nonstandard_k=allow_nonstandard_k)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -65,10 +65,3 @@ def test_empty_directory_is_a_clear_error(tmp_path):
     ckpt.restore(_state(0), _vocab(1))
   ckpt.close()
 
-
-def test_checkpoint_dir_accepts_a_workdir_or_its_checkpoints(tmp_path):
-  (tmp_path / "w" / "checkpoints").mkdir(parents=True)
-  assert ckpt_lib.checkpoint_dir(str(tmp_path / "w")) == str(tmp_path / "w" / "checkpoints")
-  assert ckpt_lib.checkpoint_dir(str(tmp_path / "w" / "checkpoints")) == str(tmp_path / "w" / "checkpoints")
-  with pytest.raises(FileNotFoundError, match="No draft at"):
-    ckpt_lib.checkpoint_dir(str(tmp_path / "nothing"))

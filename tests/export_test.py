@@ -38,10 +38,13 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import layerwave
+from layerwave import checkpoint as ckpt_lib
 from layerwave import export
 from layerwave import selection
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models.kv_cache import KVCache
+from layerwave.training import restore
+from layerwave.training import step as step_lib
 from tests.models import hf_reference
 
 L, D, V, V_D = 8, 32, 97, 50
@@ -395,9 +398,7 @@ def test_bfloat16_export_loads_close(target, tmp_path):
 
 
 def test_export_workdir_reads_the_recorded_target(target, tmp_path):
-  """The launcher's path: a training workdir's checkpoint (written as `training.loop.run` writes it)."""
-  from layerwave import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from layerwave.training import step as step_lib  # pylint: disable=g-import-not-at-top
+  """The launcher's path (`training.restore.export_workdir`): a training workdir's checkpoint (written as `training.loop.run` writes it)."""
   draft = _draft(target)
   record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D)
   _, params, vocab, _ = step_lib.split_draft(draft)
@@ -406,12 +407,12 @@ def test_export_workdir_reads_the_recorded_target(target, tmp_path):
             {"draft_config": draft.config.to_dict(), "selection": record.to_dict(),
              "config": {"model": target.path, "dtype": "float32"}})
   ckpt.close()
-  out = export.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
+  out = restore.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
   back = layerwave.load_draft(out, target)
   for path, value in _state(draft).items():
     np.testing.assert_array_equal(value, _state(back)[path], err_msg=str(path))
   with pytest.raises(FileExistsError):
-    export.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
+    restore.export_workdir(str(tmp_path / "w"), str(tmp_path / "out"))
 
 
 def _to_torch_bin(directory):

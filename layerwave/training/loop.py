@@ -24,13 +24,13 @@ from flax import nnx
 
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
-from layerwave import export as export_lib
 from layerwave import metrics as metrics_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import losses
+from layerwave.training import restore
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
 
@@ -208,8 +208,7 @@ def run(config, workdir: str) -> dict[str, Any]:
       raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
                        f"{meta['config_fingerprint']} vs {fingerprint}); resume with the same config "
                        "or use a new --workdir.")
-    dcfg = DraftConfig.from_dict(meta["draft_config"])
-    draft = nnx.eval_shape(lambda: Draft(dcfg, rngs=nnx.Rngs(0)))
+    draft = restore.abstract_draft(DraftConfig.from_dict(meta["draft_config"]))
   else:
     draft = new_draft(config, target, record, train_source)
     meta = None
@@ -222,13 +221,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     vocab = _replicate(vocab, mesh)
     position = data_lib.Position()
   else:
-    abstract_state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer), params)
-    abstract_state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)),
-        abstract_state)
-    abstract_vocab = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)), vocab)
-    state, vocab, meta = ckpt.restore(abstract_state, abstract_vocab, latest)
+    state, vocab, meta = restore.restore_state(ckpt, params, vocab, mesh, latest, optimizer)
     position = data_lib.Position.from_dict(meta["data_position"])
     logging.info("Resumed from step %d (data position %s).", int(state.step), position)
   embed = _replicate(embed, mesh)
@@ -284,44 +277,3 @@ def run(config, workdir: str) -> dict[str, Any]:
                    "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"])})
   return result
 
-
-def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
-  """Loads a trained draft for `target`.
-
-  Args:
-    path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory; or an
-      EAGLE-3 Hugging Face directory (`layerwave.export_eagle3`'s output or a published draft).
-    target: the target the draft was trained for (its embedding is shared, its shape is checked).
-    step: a specific checkpoint step; default the latest (workdirs only).
-
-  Returns:
-    The `Draft` (NNX module), ready for `layerwave.speculative.generate`.
-
-  Raises:
-    FileNotFoundError: no checkpoint under `path`.
-    ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
-  """
-  if export_lib.is_eagle3_dir(path):
-    if step is not None:
-      raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "
-                       "to training workdirs.")
-    return export_lib.load_eagle3(path, target)
-  ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(path))
-  try:
-    meta = ckpt.read_meta(step)
-    dcfg = DraftConfig.from_dict(meta["draft_config"])
-    dcfg.check_target(target.config)
-    selection_lib.LayerSelection.from_dict(meta["selection"]).validate_for(
-        target.config.num_layers, target.config.hidden_size)
-    abstract = nnx.eval_shape(lambda: Draft(dcfg, rngs=nnx.Rngs(0)))
-    graphdef, params, vocab, frozen = step_lib.split_draft(abstract)
-    optimizer = step_lib.OptimizerSettings(1e-4, 1, 2)  # only its state's structure matters here
-    rep = sharding.replicated(target.mesh)
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
-    abstract_state = jax.tree.map(spec, jax.eval_shape(lambda p: step_lib.init_state(p, optimizer),
-                                                       params))
-    state, vocab, _ = ckpt.restore(abstract_state, jax.tree.map(spec, vocab), step)
-  finally:
-    ckpt.close()
-  embedding = target.params["embed_tokens"]["embedding"][...]
-  return nnx.merge(graphdef, state.params, vocab, jax.tree.map(lambda _: embedding, frozen))

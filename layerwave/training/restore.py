@@ -1,0 +1,127 @@
+"""Trained drafts back from disk: workdir resolution, the train-state restore, `load_draft`, `export_workdir`.
+
+Place in the pipeline: between draft training and everything that reads a trained draft. The training loop
+resumes through `restore_state`; speculation, the comparison and `layerwave.load_draft` load a draft through
+`load_draft`; the EAGLE-3 export of a workdir (`export_workdir`) loads its draft here and hands it to
+`layerwave.export`, which knows the Hugging Face format and nothing about checkpoints. So the imports run one
+way: `export` ← `training.restore` ← `training.loop`.
+
+The restore target is built once (`abstract_state`): the `TrainState` and vocabulary shapes of a draft,
+carrying replicated shardings on the current mesh, as orbax restores into them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from flax import nnx
+
+from layerwave import checkpoint as ckpt_lib
+from layerwave import export as export_lib
+from layerwave import selection as selection_lib
+from layerwave import sharding
+from layerwave.inference import Target, load_target
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import step as step_lib
+
+__all__ = ["abstract_state", "checkpoint_dir", "export_workdir", "load_draft", "restore_state"]
+
+# The optimizer state's structure does not depend on the hyperparameters' values: restoring a draft for
+# inference needs only that structure.
+_STRUCTURE_ONLY = step_lib.OptimizerSettings(1e-4, 1, 2)
+
+
+def checkpoint_dir(path: str) -> str:
+  """A training workdir's `checkpoints/` directory (or `path` itself if it is one).
+
+  Raises:
+    FileNotFoundError: `path` is neither.
+  """
+  directory = os.path.join(path, "checkpoints") if os.path.isdir(
+      os.path.join(path, "checkpoints")) else path
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No draft at {path}: expected a training workdir with checkpoints/.")
+  return directory
+
+
+def abstract_state(params, vocab, mesh, optimizer: step_lib.OptimizerSettings = _STRUCTURE_ONLY):
+  """(TrainState, vocabulary) as `jax.ShapeDtypeStruct`s replicated on `mesh`: the restore target."""
+  rep = sharding.replicated(mesh)
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
+  state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer), params)
+  return jax.tree.map(spec, state), jax.tree.map(spec, vocab)
+
+
+def restore_state(ckpt: ckpt_lib.Checkpointer, params, vocab, mesh, step: int | None = None,
+                  optimizer: step_lib.OptimizerSettings = _STRUCTURE_ONLY):
+  """Restores `(TrainState, vocabulary, meta)` of `step` (default the latest) onto `mesh`, replicated."""
+  state, vocab = abstract_state(params, vocab, mesh, optimizer)
+  return ckpt.restore(state, vocab, step)
+
+
+def abstract_draft(config: DraftConfig) -> Draft:
+  """The draft's structure (no weights): what the restored arrays are merged into."""
+  return nnx.eval_shape(lambda: Draft(config, rngs=nnx.Rngs(0)))
+
+
+def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
+  """Loads a trained draft for `target`.
+
+  Args:
+    path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory; or an
+      EAGLE-3 Hugging Face directory (`layerwave.export_eagle3`'s output or a published draft).
+    target: the target the draft was trained for (its embedding is shared, its shape is checked).
+    step: a specific checkpoint step; default the latest (workdirs only).
+
+  Returns:
+    The `Draft` (NNX module), ready for `layerwave.speculative.generate`.
+
+  Raises:
+    FileNotFoundError: no checkpoint under `path`.
+    ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
+  """
+  if export_lib.is_eagle3_dir(path):
+    if step is not None:
+      raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "
+                       "to training workdirs.")
+    return export_lib.load_eagle3(path, target)
+  ckpt = ckpt_lib.Checkpointer(checkpoint_dir(path))
+  try:
+    meta = ckpt.read_meta(step)
+    dcfg = DraftConfig.from_dict(meta["draft_config"])
+    dcfg.check_target(target.config)
+    selection_lib.LayerSelection.from_dict(meta["selection"]).validate_for(
+        target.config.num_layers, target.config.hidden_size)
+    graphdef, params, vocab, frozen = step_lib.split_draft(abstract_draft(dcfg))
+    state, vocab, _ = restore_state(ckpt, params, vocab, target.mesh, step)
+  finally:
+    ckpt.close()
+  embedding = target.params["embed_tokens"]["embedding"][...]
+  return nnx.merge(graphdef, state.params, vocab, jax.tree.map(lambda _: embedding, frozen))
+
+
+def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step: int | None = None,
+                   overwrite: bool = False, dtype: str = "float32", include_embedding: bool = False,
+                   allow_first_id_1: bool = False, allow_nonstandard_k: bool = False) -> str:
+  """Exports the draft of a training workdir as EAGLE-3, loading the target it recorded (or `model`).
+
+  Keyword arguments after `step` are `layerwave.export.export_eagle3`'s.
+
+  Returns:
+    `out_dir`.
+  """
+  ckpt = ckpt_lib.Checkpointer(checkpoint_dir(workdir))
+  try:
+    meta = ckpt.read_meta(step)
+  finally:
+    ckpt.close()
+  spec = model or (meta.get("config") or {}).get("model")
+  if not spec:
+    raise ValueError(f"{workdir} does not record its target model; pass --model.")
+  target = load_target(spec, dtype=(meta.get("config") or {}).get("dtype", "float32"))
+  draft = load_draft(workdir, target, step)
+  record = selection_lib.LayerSelection.from_dict(meta["selection"])
+  return export_lib.export_eagle3(draft, target, out_dir, selection=record, overwrite=overwrite, dtype=dtype,
+                                  include_embedding=include_embedding, allow_first_id_1=allow_first_id_1,
+                                  allow_nonstandard_k=allow_nonstandard_k)
