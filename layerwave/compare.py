@@ -42,6 +42,7 @@ from scipy import stats as scipy_stats
 
 from layerwave import atomic
 from layerwave import selection as selection_lib
+from layerwave.analysis import compartments as compartments_lib
 
 __all__ = ["LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
 
@@ -123,10 +124,12 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
     raise ValueError(f"compare.ablation_strategy must be 'greedy' or 'exhaustive', got {ablation!r}.")
 
   def select(strategy, entropy=e, cka=c, lam_=lam, seed_=seed):
+    compartments = None
+    if strategy == "compartment":
+      compartments = blocks or compartments_lib.selection_blocks(cka, candidates, k)
     return selection_lib.select_layers(
         strategy, entropy, cka, k=k, lam=lam_, min_gap=min_gap, candidates=candidates, seed=seed_,
-        compartments=blocks if strategy == "compartment" else None, num_layers=num_layers,
-        hidden_size=hidden).ids
+        compartments=compartments, num_layers=num_layers, hidden_size=hidden).ids
 
   out: list[LayerSet] = []
 
@@ -167,7 +170,7 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
     add(f"random-{i}", select("random", seed_=s), "random", f"k random candidates (seed {s})")
   for i, text in enumerate(s for s in str(compare.manual or "").split(";") if s.strip()):
     try:
-      ids = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+      ids = selection_lib.parse_layer_ids(text, "manual")
     except ValueError as err:
       raise ValueError(f"compare.manual must be ';'-separated id lists like '2,15,27;5,18,29', got "
                        f"{compare.manual!r}.") from err

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from layerwave import atomic
-from layerwave.analysis import compartments as compartments_lib
 
 __all__ = [
     "CONVENTION",
@@ -39,6 +38,7 @@ __all__ = [
     "eagle3_layer_ids",
     "as_layer_id",
     "exhaustive_search",
+    "parse_layer_ids",
     "from_block_outputs",
     "to_block_outputs",
     "default_candidates",
@@ -131,6 +131,24 @@ def as_layer_id(v) -> int:
   if isinstance(v, bool) or not float(v).is_integer():
     raise ValueError(f"layer id {v!r} is not an integer")
   return int(v)
+
+
+def parse_layer_ids(value: Any, field: str = "layers") -> tuple[int, ...]:
+  """Layer ids from a config value: "2,15,27" (the command-line form), a tuple / list of ints, or one int.
+
+  The one parser of layer ids given by hand (`config.layers`, `compare.manual`); validation against a
+  target is `LayerSelection.validate_for`'s.
+
+  Raises:
+    ValueError: a non-integer entry, naming `field` and the expected form.
+  """
+  items = str(value).replace(" ", "").split(",") if isinstance(value, str) else (
+      list(value) if isinstance(value, (tuple, list)) else [value])
+  try:
+    return tuple(as_layer_id(x) for x in items if x != "")
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"--config.{field} must be comma-separated integers like '2,15,27', got "
+                     f"{value!r}.") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,8 +395,8 @@ def select_layers(
       greedy — argmax Ê, then repeatedly argmax_ℓ Ê_ℓ − λ max_{m∈S} C_ℓm.
       exhaustive — argmax over all k-subsets of the objective.
       compartment — the best-Ê layer of each compartment, then the best k of those by the objective; at most
-        one per compartment. `compartments` ((start, end) pairs, end exclusive, hf ids) or, if None, the
-        automatic segmentation of C over the candidates (at least k blocks).
+        one per compartment. `compartments`: (start, end) pairs, end exclusive, hf ids (the caller segments:
+        `layerwave.analysis.compartments.selection_blocks`, so selection does not import the analysis).
       random — k distinct candidates drawn with `seed`.
     entropy: [L+1] per-layer informativeness E (e.g. LayerStats.prompt_entropy). Not needed for eagle3/random.
     cka: [L+1, L+1] pairwise CKA. Needed for greedy / exhaustive / compartment (λ > 0).
@@ -387,7 +405,7 @@ def select_layers(
     min_gap: minimum |ℓ − m| between chosen ids (0 or 1 = no constraint).
     candidates: allowed ids (default 1..L−1, see include_*).
     seed: random seed (random strategy), recorded in every case.
-    compartments: optional compartments for the compartment strategy.
+    compartments: the compartments of the compartment strategy (required for it).
     num_layers: L; inferred from len(entropy) − 1 when omitted.
     hidden_size: D of the target, stored for load-time validation.
     include_embeddings: add id 0 to the default candidates.
@@ -462,11 +480,8 @@ def select_layers(
     ids = exhaustive_search(cands, k, e_hat, c_use, lam, min_gap)
   elif strategy == "compartment":
     if compartments is None:
-      sub = c_use[np.ix_(cands, cands)]
-      if not np.array_equal(cands, np.arange(cands[0], cands[-1] + 1)):
-        raise ValueError("automatic compartments need contiguous candidates; pass compartments=")
-      seg = compartments_lib.segment(sub, min_blocks=min(k, cands.size), offset=int(cands[0]))
-      compartments = seg.blocks
+      raise ValueError("strategy 'compartment' needs its blocks: compartments=[(start, end), ...] "
+                       "(layerwave.analysis.compartments.selection_blocks segments the CKA)")
     blocks = [(int(s), int(t)) for s, t in compartments]
     reps = []
     for s, t in blocks:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from layerwave import selection
+from layerwave.analysis import compartments
 from layerwave.selection import LayerSelection
 
 L = 12
@@ -96,13 +97,20 @@ def test_compartment_strategy_one_per_block():
     selection.select_layers("compartment", e, c, k=3, compartments=[(1, 6), (6, 12)])
 
 
+def test_compartment_strategy_needs_its_blocks():
+  e, c = np.arange(L + 1, dtype=float), np.eye(L + 1)
+  with pytest.raises(ValueError, match="selection_blocks"):
+    selection.select_layers("compartment", e, c, k=3)
+
+
 def test_compartment_strategy_automatic_blocks():
   c = np.full((L + 1, L + 1), 0.1)
   for s, t in [(1, 5), (5, 8), (8, 12)]:
     c[s:t, s:t] = 0.95
   np.fill_diagonal(c, 1.0)
   e = np.arange(L + 1, dtype=float)
-  sel = selection.select_layers("compartment", e, c, k=3)
+  blocks = compartments.selection_blocks(c, selection.default_candidates(L), 3)
+  sel = selection.select_layers("compartment", e, c, k=3, compartments=blocks)
   assert sel.ids == (4, 7, 11)
   assert sel.scores["compartments"] == [[1, 5], [5, 8], [8, 12]]
 
@@ -185,3 +193,13 @@ def test_load_for_another_model(tmp_path):
 
 def test_record_sorts_ids():
   assert LayerSelection(ids=(9, 2, 5), num_layers=L).ids == (2, 5, 9)
+
+
+def test_parse_layer_ids_is_the_one_parser_of_hand_given_ids():
+  assert selection.parse_layer_ids("2, 15,27") == (2, 15, 27)  # the command-line form
+  assert selection.parse_layer_ids((2, 15, 27)) == selection.parse_layer_ids([2.0, 15, 27]) == (2, 15, 27)
+  assert selection.parse_layer_ids("") == ()
+  with pytest.raises(ValueError, match=r"--config\.layers must be comma-separated integers like '2,15,27'"):
+    selection.parse_layer_ids("2,x,27")
+  with pytest.raises(ValueError, match=r"--config\.manual must be"):
+    selection.parse_layer_ids("2.5", "manual")

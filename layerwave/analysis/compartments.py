@@ -27,10 +27,12 @@ Legend (`layerwave.axes`): L target layers.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Segmentation", "default_baseline", "block_scores", "segment", "segment_fixed", "labels_from_blocks"]
+__all__ = ["Segmentation", "default_baseline", "block_scores", "segment", "segment_fixed", "labels_from_blocks",
+           "selection_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +206,30 @@ def segment(
   g = int(gs[np.argmax(np.round(objective, 10))])
   return Segmentation(_backtrack(arg, g, n, offset), float(totals[g - 1]), beta,
                       tuple(float(v) for v in totals))
+
+
+def selection_blocks(cka, candidates: Sequence[int], k: int, segmentation: Segmentation | None = None
+                     ) -> tuple[tuple[int, int], ...]:
+  """The compartments the `compartment` selection strategy picks one layer from (at least k of them).
+
+  Args:
+    cka: [L+1, L+1] pairwise CKA.
+    candidates: the candidate layer ids (contiguous when segmenting here).
+    k: layers to select.
+    segmentation: a segmentation already made (the analysis' report); used when it has at least k blocks.
+
+  Returns:
+    (start, end) pairs, end exclusive, hf ids: `segmentation`'s blocks, or the automatic segmentation of the
+    candidates' CKA with at least k blocks.
+  """
+  if segmentation is not None and segmentation.num_blocks >= k:
+    return tuple(tuple(b) for b in segmentation.blocks)
+  cands = np.array(sorted({int(i) for i in candidates}), dtype=np.int64)
+  if not np.array_equal(cands, np.arange(cands[0], cands[-1] + 1)):
+    raise ValueError(f"automatic compartments need contiguous candidates, got {cands.tolist()}; pass the "
+                     "blocks (compartments=) to the compartment strategy.")
+  sub = np.asarray(cka, np.float64)[np.ix_(cands, cands)]
+  return segment(sub, min_blocks=min(int(k), cands.size), offset=int(cands[0])).blocks
 
 
 def labels_from_blocks(blocks, n: int | None = None, offset: int = 0) -> np.ndarray:

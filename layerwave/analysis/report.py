@@ -140,8 +140,9 @@ def run_selections(stats: stats_lib.LayerStats, options: SelectionOptions, *, nu
   e = informativeness(stats, options)
   c = cka_matrix(stats, options)
   blocks = None
-  if segmentation is not None and segmentation.num_blocks >= options.k:
-    blocks = segmentation.blocks
+  if "compartment" in options.strategies:
+    cands = selection_lib.default_candidates(num_layers, options.include_embeddings, options.include_final)
+    blocks = compartments_lib.selection_blocks(c, cands, options.k, segmentation)
   extra = {"granularity": options.granularity, "normalized_entropy": options.normalized_entropy,
            "cka": options.cka, "alpha": stats.alpha, "normalize": stats.normalize,
            "num_tokens": stats.num_tokens, **(config or {})}

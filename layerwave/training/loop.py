@@ -39,14 +39,6 @@ _RESUMABLE_FIELDS = ("num_steps", "stop_after", "log_every", "eval_every", "eval
                      "checkpoint_every")
 
 
-def parse_layer_ids(text: str) -> tuple[int, ...]:
-  try:
-    return tuple(int(x) for x in str(text).replace(" ", "").split(",") if x != "")
-  except ValueError as e:
-    raise ValueError(f"--config.layers must be comma-separated integers like '2,15,27', got "
-                     f"{text!r}.") from e
-
-
 def read_selection(path: str, strategy: str, num_layers: int, hidden_size: int
                    ) -> selection_lib.LayerSelection:
   """Reads one strategy's record from a selection file (one record, or records keyed by strategy)."""
@@ -73,7 +65,7 @@ def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
   """The layers to train on: `config.layers` ids, or a strategy from `config.selection.path`."""
   c = target.config
   if config.layers:
-    ids = parse_layer_ids(config.layers)
+    ids = selection_lib.parse_layer_ids(config.layers)
     record = selection_lib.LayerSelection(ids=ids, num_layers=c.num_layers,
                                           hidden_size=c.hidden_size, strategy="manual")
     record.validate_for(c.num_layers, c.hidden_size)
