@@ -5,7 +5,8 @@ For each dataset, temperature and drafting method (chain K ∈ {3, 5, 7} and the
 alternation (`timing.paired_speedup`: `speculate.timing_repeats` ABBA pairs per batch, so a machine whose
 speed drifts during the run slows both sides of a pair alike); speedup = the median over the pairs of spec
 tok/s ÷ AR tok/s, with the pairs' [p25, p75]. Compilation is excluded (each shape is warmed up first).
-Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHMARKS.md).
+Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHMARKS.md). The evaluation is
+`layerwave.speculative.evaluate`'s, as in experiments/speculate.py.
 
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
@@ -14,18 +15,21 @@ Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHM
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 
 from absl import app
 from absl import flags
+from ml_collections import config_flags
 
-import layerwave
 from layerwave import atomic
-import speculate  # experiments/speculate.py (run from the repository root)
+from layerwave import selection
+from layerwave.inference import load_target
+from layerwave.speculative import evaluate
 
-# --config and --workdir are speculate.py's flags (defined on import).
-_CONFIG, _WORKDIR = speculate._CONFIG, speculate._WORKDIR  # pylint: disable=protected-access
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where bench_speculative.json goes.")
 _DATASETS = flags.DEFINE_list("datasets", ["mtbench", "humaneval", "gsm8k"], "Prompt sets.")
 _NUM = flags.DEFINE_list("num_prompts", ["80", "40", "40"], "Prompts per dataset (0 = all).")
 _METHODS = flags.DEFINE_list("methods", ["chain3", "chain5", "chain7", "tree"],
@@ -39,26 +43,26 @@ def main(argv):
     raise app.UsageError("--workdir is required.")
   config = _CONFIG.value
   s = config.speculate
-  target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
-  draft = speculate.load_draft(config, target)
+  base = evaluate.DecodeSettings.from_config(s)
+  target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
+  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", "")),
+                              int(config.draft_model.vocab_size), int(config.seed))
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
   results = []
   for dataset in _DATASETS.value:
-    s.dataset, s.num_prompts = dataset, counts.get(dataset, s.num_prompts)
-    items = speculate.prompts_for(config, target.tokenizer, None)
+    items = evaluate.chat_prompts(target.tokenizer, dataset, counts.get(dataset, int(s.num_prompts)))
     for temp in (float(t) for t in _TEMPS.value):
-      s.temperature = temp
       for method in _METHODS.value:
-        if method == "tree":
-          s.method = "tree"
-        else:
-          s.method, s.num_draft_tokens = "chain", int(method.removeprefix("chain"))
-        summary, _, _ = speculate.evaluate(target, draft, items, s, config.seed, paired=True)
+        spec = (dataclasses.replace(base.spec, method="tree") if method == "tree" else dataclasses.replace(
+            base.spec, method="chain", num_draft_tokens=int(method.removeprefix("chain"))))
+        settings = dataclasses.replace(base, temperature=temp, spec=spec)
+        ev = evaluate.evaluate(target, draft, [p for _, p in items], settings, int(config.seed), paired=True)
+        summary = evaluate.summary(ev)
         summary.update(dataset=dataset, temperature=temp, name=method)
         results.append(summary)
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s ar={summary['ar_tokens_per_s']:.1f} tok/s "
-              f"speedup={speculate.speedup_cell(summary)} ({summary['timing']})", flush=True)
+              f"speedup={evaluate.speedup_cell(summary)} ({summary['timing']})", flush=True)
   atomic.write_json(os.path.join(_WORKDIR.value, "bench_speculative.json"),
                     {"config": config.to_dict(), "machine": platform.machine(), "results": results},
                     default=str)
@@ -73,7 +77,7 @@ def main(argv):
   for r in results:
     acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
     print(f"| {r['dataset']} | {r['temperature']:g} | {r['name']} | {r['tau']:.2f} | {acc} | "
-          f"{r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | {speculate.speedup_cell(r)} | "
+          f"{r['tokens_per_s']:.1f} | {r['ar_tokens_per_s']:.1f} | {evaluate.speedup_cell(r)} | "
           f"{r['equal_to_ar']:.0%} |")
 
 

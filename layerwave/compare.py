@@ -41,8 +41,15 @@ from absl import logging
 from scipy import stats as scipy_stats
 
 from layerwave import atomic
+from layerwave import metrics as metrics_lib
+from layerwave import plots
 from layerwave import selection as selection_lib
+from layerwave.analysis import analyze
 from layerwave.analysis import compartments as compartments_lib
+from layerwave.inference import load_target
+from layerwave.speculative import evaluate as evaluate_lib
+from layerwave.training import loop
+from layerwave.training import restore
 
 __all__ = ["LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
 
@@ -262,25 +269,17 @@ def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.Config
 
 def eval_prompts(compare, tokenizer) -> dict[str, list[list[int]]]:
   """Held-out chat prompts per dataset: the first `num_prompts` first turns of ≤ max_prompt_tokens."""
-  from layerwave.data import chat  # pylint: disable=g-import-not-at-top
-  from layerwave.data import sources  # pylint: disable=g-import-not-at-top
+  names = _split(compare.datasets)
+  if not names:
+    raise ValueError(f"compare.datasets is empty; name at least one of {', '.join(evaluate_lib.DATASETS)}.")
   out = {}
-  for name in _split(compare.datasets):
-    if name not in ("mtbench", "humaneval", "gsm8k"):
-      raise ValueError(f"compare.datasets names {name!r}; held-out prompt sets are mtbench, humaneval, gsm8k.")
-    prompts = []
-    for record in sources.get_source(name):
-      ids = chat.encode_prompt(tokenizer, record.messages[:1]).tolist()
-      if len(ids) <= int(compare.max_prompt_tokens):
-        prompts.append(ids)
-      if len(prompts) == int(compare.num_prompts):
-        break
-    if len(prompts) < int(compare.num_prompts):
-      raise ValueError(f"{name} has only {len(prompts)} prompts of <= {compare.max_prompt_tokens} tokens; "
-                       "raise compare.max_prompt_tokens or lower compare.num_prompts.")
-    out[name] = prompts
-  if not out:
-    raise ValueError("compare.datasets is empty; name at least one of mtbench, humaneval, gsm8k.")
+  for name in names:
+    if name not in evaluate_lib.DATASETS:
+      raise ValueError(f"compare.datasets names {name!r}; held-out prompt sets are "
+                       f"{', '.join(evaluate_lib.DATASETS)}.")
+    items = evaluate_lib.chat_prompts(tokenizer, name, int(compare.num_prompts), int(compare.max_prompt_tokens),
+                                      section="compare")
+    out[name] = [ids for _, ids in items]
   return out
 
 
@@ -289,14 +288,6 @@ def temperatures_of(compare) -> list[float]:
   if not temps or any(t < 0 for t in temps):
     raise ValueError(f"compare.temperatures must list temperatures >= 0, got {compare.temperatures!r}.")
   return temps
-
-
-def _spec_kwargs(config, width: int) -> dict[str, Any]:
-  s = config.speculate
-  return dict(max_new_tokens=int(config.compare.max_new_tokens), top_k=int(s.top_k), top_p=float(s.top_p),
-              prompt_width=width, method=s.method, num_draft_tokens=int(s.num_draft_tokens),
-              tree_depth=int(s.tree_depth), tree_top_k=int(s.tree_top_k), tree_tokens=int(s.tree_tokens),
-              draft_sample=bool(s.draft_sample))
 
 
 def _temp_key(t: float) -> str:
@@ -311,38 +302,17 @@ def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
   (`timing.paired_speedup`, `speculate.timing_repeats` pairs per batch): the speedup is the median of the
   per-pair tokens/s ratios, with its quartiles, and at T = 0 the outputs are compared token for token.
   """
-  import layerwave  # pylint: disable=g-import-not-at-top
-  from layerwave.speculative import decode  # pylint: disable=g-import-not-at-top
-  from layerwave.speculative import timing  # pylint: disable=g-import-not-at-top
-  kw = _spec_kwargs(config, width)
-  batch_size = int(config.speculate.batch_size)
+  settings = evaluate_lib.DecodeSettings.from_config(
+      config.speculate, max_new_tokens=int(config.compare.max_new_tokens), prompt_width=width)
   result = {}
   for t in temperatures_of(config.compare):
-    runs = {}  # dataset -> (outputs, summed accept-length histogram, PairedTiming or None)
-    for name, ps in prompts.items():
-      spec = lambda ids, t=t: layerwave.speculative.generate(  # noqa: E731
-          target, draft, ids, temperature=t, seed=seed, **kw)
-      if speedup:
-        plain = lambda ids, t=t: layerwave.generate(  # noqa: E731
-            target, ids, kw["max_new_tokens"], temperature=t, top_k=kw["top_k"], top_p=kw["top_p"],
-            seed=seed, prompt_width=width, return_stats=True)
-        timed = timing.paired_speedup(plain, spec, ps, batch_size, int(config.speculate.timing_repeats))
-        runs[name] = (timed.spec_outputs, timed.accept_length_hist, timed)
-      else:
-        outs, hist, _, _ = decode.run_batches(spec, ps, batch_size, warmup=False)
-        runs[name] = (outs, hist, None)
-    runs["all"] = ([o for r in runs.values() for o in r[0]], sum(r[1] for r in runs.values()),
-                   timing.combine([r[2] for r in runs.values()]) if speedup else None)
-    for name, (outs, hist, timed) in runs.items():
-      m = decode.acceptance_metrics(hist[None])
-      row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
-             "new_tokens": sum(len(o) for o in outs), "accept_length_hist": hist.tolist()}
-      if timed is not None:
-        row.update(timed.summary())
-        if t == 0:
-          pairs = zip(timed.spec_outputs, timed.plain_outputs)
-          row["equal_to_ar"] = float(np.mean([a == b for a, b in pairs]))
-      result[f"{_temp_key(t)}/{name}"] = row
+    at_t = dataclasses.replace(settings, temperature=t)
+    # Compilation stays outside the clock only when timed (paired_speedup warms each shape up first).
+    runs = {name: evaluate_lib.evaluate(target, draft, ps, at_t, seed, paired=speedup, warmup=speedup)
+            for name, ps in prompts.items()}
+    runs["all"] = evaluate_lib.pooled(list(runs.values()))
+    for name, ev in runs.items():
+      result[f"{_temp_key(t)}/{name}"] = evaluate_lib.acceptance_row(ev, greedy=t == 0)
   return result
 
 
@@ -355,7 +325,6 @@ def _analysis_record(config, workdir: str) -> tuple[dict, str]:
   if not path:
     path = os.path.join(workdir, "analysis")
     if not os.path.exists(os.path.join(path, "layer_stats.json")):
-      from layerwave.analysis import analyze  # pylint: disable=g-import-not-at-top
       logging.info("Stage 1/3: analysis (entropy and CKA of every layer) into %s", path)
       analyze.run(config, path)
   stats_path = path if path.endswith(".json") else os.path.join(path, "layer_stats.json")
@@ -376,10 +345,6 @@ def _cell_dir(workdir: str, layer_set: LayerSet, seed: int) -> str:
 
 def run(config, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) the comparison in `workdir`; returns the summary (also written as JSON/markdown)."""
-  import layerwave  # pylint: disable=g-import-not-at-top
-  from layerwave import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from layerwave import plots  # pylint: disable=g-import-not-at-top
-  from layerwave.training import loop  # pylint: disable=g-import-not-at-top
   if not workdir:
     raise ValueError("compare needs --workdir: the folder for cells/, results.md and plots/.")
   cmp = config.compare
@@ -395,7 +360,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   logging.info("Layer sets (%d, %d distinct):\n%s", len(sets), len(unique),
                "\n".join(f"  {s.name:14s} {list(s.ids)}  objective {s.objective:+.3f}  ({s.description})"
                          for s in sets))
-  target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
+  target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer)
   width = max(len(p) for ps in prompts.values() for p in ps)
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
@@ -421,7 +386,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     train_seconds = time.perf_counter() - tic
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
                  ", ".join(prompts))
-    draft = layerwave.load_draft(cell_dir, target)
+    draft = restore.load_draft(cell_dir, target)
     evaluation = evaluate_draft(target, draft, prompts, config, width, seed, bool(cmp.speedup))
     result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}

@@ -17,6 +17,7 @@ import pytest
 
 from layerwave import compare
 from layerwave import selection
+from layerwave.speculative import evaluate
 
 from tests import configs
 
@@ -219,7 +220,6 @@ def test_table_says_how_speedups_were_timed(seeds):
 
 
 def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
-  import layerwave  # pylint: disable=g-import-not-at-top
   log = []
 
   def plain(target, ids, max_new_tokens, **kw):
@@ -227,13 +227,14 @@ def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
     assert kw["return_stats"] and kw["temperature"] == 0 and kw["prompt_width"] == 9
     return [[7] * 4 for _ in ids], {"steps": 4}
 
-  def spec(target, draft, ids, temperature, seed, max_new_tokens, **kw):
+  def spec(target, draft, ids, max_new_tokens, **kw):
     log.append(("spec", len(ids)))
+    assert kw["prompt_width"] == 9 and kw["method"] == "chain"
     out = [[7] * 4 if p[0] != 3 else [8] * 4 for p in ids]  # prompt [3] differs from plain decoding
     return out, {"accept_length_hist": [len(ids), 1, 0, 0], "tau": 1.2, "verify_calls": len(ids) + 1}
 
-  monkeypatch.setattr(layerwave, "generate", plain)
-  monkeypatch.setattr(layerwave.speculative, "generate", spec)
+  monkeypatch.setattr(evaluate, "plain_generate", plain)
+  monkeypatch.setattr(evaluate, "speculative_generate", spec)
   config = _config()
   config.compare.temperatures = "0"
   prompts = {"mtbench": [[1, 2], [3], [4, 5, 6]], "gsm8k": [[5]]}  # batch_size 2: batches 2+1, then 1
