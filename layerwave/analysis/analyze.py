@@ -19,20 +19,14 @@ from absl import logging
 from layerwave import atomic
 from layerwave import data as data_lib
 from layerwave import inference
+from layerwave import options as options_lib
 from layerwave import plots
 from layerwave import sharding
 from layerwave.analysis import collect
 from layerwave.analysis import report
+from layerwave.data.options import DataOptions
 
 __all__ = ["run"]
-
-
-def _dataset(config, tokenizer):
-  d = config.data
-  options = {"limit": int(d.max_records)} if d.max_records else None
-  return data_lib.build_chat_dataset(tokenizer, d.source, max_length=int(d.max_length),
-                                     heldout_fraction=float(d.heldout_fraction), split_seed=int(d.split_seed),
-                                     source_options=options)
 
 
 def run(config, workdir: str) -> dict:
@@ -52,6 +46,7 @@ def run(config, workdir: str) -> dict:
   a = config.analysis
   collect_options = collect.options_from_config(a)
   selection_options = report.selection_options_from_config(a)
+  data_options = options_lib.from_section(DataOptions, config.data, "data")
   sharding.maybe_initialize_distributed(config.distributed)
   mesh = sharding.make_mesh(config.mesh)
   start = time.perf_counter()
@@ -59,20 +54,20 @@ def run(config, workdir: str) -> dict:
   tok = target.tokenizer
   if tok is None or tok.chat_template is None:
     raise ValueError(f"{config.model} has no tokenizer with a chat template; the analysis formats chat data")
-  ds = _dataset(config, tok)
+  ds = data_options.build(tok)
   pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
   batches = data_lib.BatchIterator(ds.source(a.split), batch_size=int(a.batch_size),
-                                   seq_len=int(config.data.max_length), pad_id=pad_id, seed=int(a.seed),
+                                   seq_len=data_options.max_length, pad_id=pad_id, seed=int(a.seed),
                                    num_epochs=1)
   logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, a.split,
-               ds.num_examples.get(a.split, 0), a.batch_size, config.data.max_length)
+               ds.num_examples.get(a.split, 0), a.batch_size, data_options.max_length)
   result = collect.collect_stats(target, batches, collect_options, mesh)
 
   cfg = target.config
   model = {"name": config.model, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
            "vocab_size": cfg.vocab_size, "dtype": config.dtype}
   data = {"dataset": ds.name, "split": a.split, "num_examples": dict(ds.num_examples),
-          "source": config.data.source, "max_length": int(config.data.max_length),
+          "source": data_options.source, "max_length": data_options.max_length,
           "fingerprint": {k: ds.metadata.get(k) for k in ("tokenizer_fingerprint", "records_fingerprint",
                                                           "num_records", "split_seed", "heldout_fraction")}}
   config_dict = config.to_dict()

@@ -25,20 +25,17 @@ from flax import nnx
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
 from layerwave import metrics as metrics_lib
+from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
+from layerwave.data.options import DataOptions
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import losses
 from layerwave.training import restore
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
-
-# Config fields that may change between a run and its resumption (run length, logging, evaluation).
-_RESUMABLE_FIELDS = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
-                     "checkpoint_every")
-
-
+from layerwave.training.options import DraftModelOptions, TrainOptions
 def read_selection(path: str, strategy: str, num_layers: int, hidden_size: int
                    ) -> selection_lib.LayerSelection:
   """Reads one strategy's record from a selection file (one record, or records keyed by strategy)."""
@@ -78,9 +75,13 @@ def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
 
 
 def config_fingerprint(config) -> str:
-  """Hash of every setting that fixes what the run computes (run-length settings excluded)."""
+  """Hash of every setting that fixes what the run computes (run-length settings excluded).
+
+  Kept a hash of the config's JSON (not of the options' `dataclasses.asdict`) so that workdirs written
+  before the options existed still resume.
+  """
   d = json.loads(config.to_json_best_effort())
-  for key in _RESUMABLE_FIELDS:
+  for key in TrainOptions.RESUMABLE:
     d.get("train", {}).pop(key, None)
   d.pop("draft", None)
   d.pop("speculate", None)
@@ -88,16 +89,12 @@ def config_fingerprint(config) -> str:
   return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_data(config, target: Target):
+def load_data(data: DataOptions, target: Target):
   """Builds (or reuses) the chat dataset; returns (ChatDataset, train source, held-out source)."""
-  c = config.data
-  if c.max_length > target.config.max_position_embeddings:
-    raise ValueError(f"data.max_length={c.max_length} exceeds the target's max_position_embeddings "
+  if data.max_length > target.config.max_position_embeddings:
+    raise ValueError(f"data.max_length={data.max_length} exceeds the target's max_position_embeddings "
                      f"({target.config.max_position_embeddings}).")
-  options = {"limit": int(c.max_records)} if c.max_records else {}
-  dataset = data_lib.build_chat_dataset(target.tokenizer, c.source, max_length=int(c.max_length),
-                                        heldout_fraction=float(c.heldout_fraction),
-                                        split_seed=int(c.split_seed), source_options=options)
+  dataset = data.build(target.tokenizer)
   if not dataset.num_examples.get("train"):
     raise ValueError("No training example left after filtering (every conversation was dropped); "
                      "raise data.max_length or use more records.")
@@ -105,25 +102,25 @@ def load_data(config, target: Target):
   return dataset, dataset.source("train"), heldout
 
 
-def new_draft(config, target: Target, record: selection_lib.LayerSelection, train_source) -> Draft:
+def new_draft(model: DraftModelOptions, train: TrainOptions, seed: int, target: Target,
+              record: selection_lib.LayerSelection, train_source) -> Draft:
   """A freshly initialised draft with its vocabulary counted from the training targets."""
-  v_d = min(int(config.draft_model.vocab_size), target.config.vocab_size)
-  dcfg = DraftConfig.from_target(target.config, record.ids, draft_vocab_size=v_d,
-                                 num_layers=int(config.draft_model.num_layers),
-                                 fc_norm=bool(config.draft_model.fc_norm))
-  limit = int(config.train.vocab_examples) or len(train_source)
+  v_d = min(model.vocab_size, target.config.vocab_size)
+  dcfg = DraftConfig.from_target(target.config, record.ids, draft_vocab_size=v_d, num_layers=model.num_layers,
+                                 fc_norm=model.fc_norm)
+  limit = train.vocab_examples or len(train_source)
   idx = range(min(limit, len(train_source)))
   counts = vocab_lib.count_tokens((train_source[i] for i in idx), target.config.vocab_size,
-                                  assistant_only=bool(config.train.assistant_only))
+                                  assistant_only=train.assistant_only)
   d2t, t2d = vocab_lib.build_vocab(counts, v_d)
   coverage = counts[t2d].sum() / max(counts.sum(), 1)
   logging.info("Draft vocabulary: %d tokens cover %.2f%% of %d training-target tokens.", v_d,
                100 * coverage, counts.sum())
   embedding = target.params["embed_tokens"]["embedding"][...]
-  draft = Draft(dcfg, embedding=embedding, dtype=jnp.float32, rngs=nnx.Rngs(int(config.seed)))
+  draft = Draft(dcfg, embedding=embedding, dtype=jnp.float32, rngs=nnx.Rngs(seed))
   draft.d2t[...] = jnp.asarray(d2t)
   draft.t2d[...] = jnp.asarray(t2d)
-  if config.draft_model.init_from_target:
+  if model.init_from_target:
     init_head_from_target(draft, target)
   return draft
 
@@ -148,19 +145,18 @@ def _replicate(tree, mesh):
   return jax.device_put(tree, sharding.replicated(mesh))
 
 
-def _evaluate(source, config, target, state, vocab, embed, graphdef, kwargs) -> dict:
-  it = data_lib.BatchIterator(source, batch_size=int(config.train.batch_size),
-                              seq_len=int(config.data.max_length),
+def _evaluate(source, train: TrainOptions, seq_len: int, target, state, vocab, embed, graphdef) -> dict:
+  it = data_lib.BatchIterator(source, batch_size=train.batch_size, seq_len=seq_len,
                               pad_id=int(target.tokenizer.pad_token_id or 0), shuffle=False,
                               drop_remainder=False, num_epochs=1)
   sums, n = None, 0
   for i, batch in enumerate(it):
-    if i >= int(config.train.eval_batches):
+    if i >= train.eval_batches:
       break
     arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
     arrays = jax.device_put(arrays, sharding.batch_sharding(target.mesh))
     m = step_lib.eval_step(state.params, vocab, embed, target.params, arrays,
-                           draft_graphdef=graphdef, target_graphdef=target.graphdef, **kwargs)
+                           draft_graphdef=graphdef, target_graphdef=target.graphdef, **train.loss_kwargs)
     m = jax.device_get(m)
     sums = m if sums is None else jax.tree.map(np.add, sums, m)
     n += 1
@@ -178,6 +174,10 @@ def _evaluate(source, config, target, state, vocab, embed, graphdef, kwargs) -> 
 
 def run(config, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a draft in `workdir`; returns the final held-out metrics."""
+  t = options_lib.from_section(TrainOptions, config.train, "train")
+  model = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model")
+  data = options_lib.from_section(DataOptions, config.data, "data")
+  seed = options_lib.convert(config.seed, int, "seed")  # draft initialisation and data order
   metrics_lib.quiet_library_logs()
   sharding.maybe_initialize_distributed(config.distributed)
   mesh = sharding.make_mesh(config.mesh)
@@ -185,14 +185,11 @@ def run(config, workdir: str) -> dict[str, Any]:
   if target.tokenizer is None:
     raise ValueError(f"{config.model} has no tokenizer; training data cannot be tokenised.")
   record = resolve_selection(config, target)
-  t = config.train
-  sharding.check_batch(mesh, int(t.batch_size))
-  dataset, train_source, heldout = load_data(config, target)
+  sharding.check_batch(mesh, t.batch_size)
+  dataset, train_source, heldout = load_data(data, target)
   fingerprint = config_fingerprint(config)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-  optimizer = step_lib.OptimizerSettings(float(t.lr), int(t.warmup_steps), int(t.num_steps),
-                                         clip_norm=float(t.clip_norm), b1=float(t.b1), b2=float(t.b2),
-                                         weight_decay=float(t.weight_decay))
+  optimizer = t.optimizer
   latest = ckpt.latest_step()
   if latest is not None:
     meta = ckpt.read_meta(latest)
@@ -202,7 +199,7 @@ def run(config, workdir: str) -> dict[str, Any]:
                        "or use a new --workdir.")
     draft = restore.abstract_draft(DraftConfig.from_dict(meta["draft_config"]))
   else:
-    draft = new_draft(config, target, record, train_source)
+    draft = new_draft(model, t, seed, target, record, train_source)
     meta = None
   graphdef, params, vocab, frozen = step_lib.split_draft(draft)
   # The frozen embedding is the target's own matrix (never checkpointed).
@@ -220,14 +217,11 @@ def run(config, workdir: str) -> dict[str, Any]:
   base_meta = {"config_fingerprint": fingerprint, "draft_config": draft.config.to_dict(),
                "selection": record.to_dict(), "dataset": dataset.name,
                "config": json.loads(config.to_json_best_effort())}
-  it = data_lib.BatchIterator(train_source, batch_size=int(t.batch_size),
-                              seq_len=int(config.data.max_length),
-                              pad_id=int(target.tokenizer.pad_token_id or 0), seed=int(config.seed),
-                              position=position)
-  kwargs = dict(steps=int(t.ttt_steps), decay=float(t.decay), assistant_only=bool(t.assistant_only))
+  it = data_lib.BatchIterator(train_source, batch_size=t.batch_size, seq_len=data.max_length,
+                              pad_id=int(target.tokenizer.pad_token_id or 0), seed=seed, position=position)
   writer = metrics_lib.MetricWriter(workdir)
   start_step = int(state.step)
-  stop = min(int(t.num_steps), start_step + int(t.stop_after)) if t.stop_after else int(t.num_steps)
+  stop = t.stop_step(start_step)
   batch_sharding = sharding.batch_sharding(mesh)
   tic, tokens_seen, last = time.perf_counter(), 0, {}
   step = start_step
@@ -237,9 +231,9 @@ def run(config, workdir: str) -> dict[str, Any]:
     tokens_seen += int(batch.attention_mask.sum())
     state, m = step_lib.train_step(state, vocab, embed, target.params,
                                    jax.device_put(arrays, batch_sharding), draft_graphdef=graphdef,
-                                   target_graphdef=target.graphdef, optimizer=optimizer, **kwargs)
+                                   target_graphdef=target.graphdef, optimizer=optimizer, **t.loss_kwargs)
     done = step + 1
-    if done % int(t.log_every) == 0 or done == stop:
+    if done % t.log_every == 0 or done == stop:
       m = jax.device_get(m)
       elapsed = time.perf_counter() - tic
       rate = tokens_seen / elapsed
@@ -249,14 +243,14 @@ def run(config, workdir: str) -> dict[str, Any]:
       scalars["train/tokens_per_s"] = rate
       writer.write_scalars(done, scalars)
       logging.info("step %d/%d  loss %.3f  acc_0 %.3f  %.0f tok/s  ETA %.0fs", done,
-                   int(t.num_steps), float(m["loss"]), float(m["acc_j"][0]), rate, eta)
-    if heldout is not None and (done % int(t.eval_every) == 0 or done == int(t.num_steps)):
-      last = _evaluate(heldout, config, target, state, vocab, embed, graphdef, kwargs)
+                   t.num_steps, float(m["loss"]), float(m["acc_j"][0]), rate, eta)
+    if heldout is not None and (done % t.eval_every == 0 or done == t.num_steps):
+      last = _evaluate(heldout, t, data.max_length, target, state, vocab, embed, graphdef)
       scalars = metrics_lib.flatten("eval", {"loss": last["loss"], "sim_tau": last["sim_tau"]})
       scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"],
                                                         "acc_in_vocab_j": last["acc_in_vocab_j"]}))
       writer.write_scalars(done, scalars)
-    if done % int(t.checkpoint_every) == 0 or done == stop:
+    if done % t.checkpoint_every == 0 or done == stop:
       ckpt.save(done, state, vocab, {**base_meta, "step": done,
                                      "data_position": it.position.to_dict()})
   writer.close()

@@ -1,0 +1,116 @@
+"""The draft-training stage's settings as typed, validated options: `config.train` and `config.draft_model`.
+
+Place in the pipeline: `training.loop.run` builds them once from their config sections
+(`layerwave.options.from_section`: every field converted to its type, a wrong kind refused naming the field);
+`__post_init__` checks ranges once, with the fix in the error. The loop then reads typed fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from layerwave.training import step as step_lib
+
+__all__ = ["DraftModelOptions", "TrainOptions"]
+
+
+def _require(ok: bool, message: str) -> None:
+  if not ok:
+    raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelOptions:
+  """`config.draft_model`: the EAGLE-3 draft's shape (shared/METHOD.md §7).
+
+  Attributes:
+    vocab_size: V_d, capped at the target's vocabulary.
+    num_layers: decoder layers of the draft (EAGLE-3: 1).
+    fc_norm: RMSNorm each selected layer's chunk before fc.
+    init_from_target: start lm_head and the final norm from the target's rows.
+  """
+
+  vocab_size: int = 32000
+  num_layers: int = 1
+  fc_norm: bool = False
+  init_from_target: bool = True
+
+  def __post_init__(self):
+    _require(self.vocab_size >= 1, f"draft_model.vocab_size (V_d) must be >= 1, got {self.vocab_size}; set "
+             "--config.draft_model.vocab_size=32000 (capped at the target's vocabulary).")
+    _require(self.num_layers >= 1, f"draft_model.num_layers must be >= 1, got {self.num_layers}; EAGLE-3 "
+             "drafts have 1 (--config.draft_model.num_layers=1).")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+  """`config.train`: the budget, the optimizer and the training-time test (shared/METHOD.md §7).
+
+  Attributes:
+    batch_size: global batch (divisible by the mesh's data axis).
+    num_steps: total steps; the cosine decay ends here.
+    stop_after: stop after this many steps of this invocation (preemption drills); 0 = off.
+    lr, warmup_steps, b1, b2, weight_decay, clip_norm: AdamW with warmup and cosine decay, clipped.
+    ttt_steps: K unrolled training-time-test steps.
+    decay: step j's loss weighs decay**j.
+    assistant_only: loss (and vocabulary counts) on assistant tokens only.
+    vocab_examples: examples counted for the draft vocabulary; 0 = the whole train split.
+    log_every, eval_every, eval_batches, checkpoint_every: how often to log, evaluate, checkpoint.
+  """
+
+  # Fields that may change between a run and its resumption (run length, logging, evaluation).
+  RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
+                                          "checkpoint_every")
+
+  batch_size: int
+  num_steps: int
+  stop_after: int = 0
+  lr: float = 3e-4
+  warmup_steps: int = 50
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.0
+  clip_norm: float = 0.5
+  ttt_steps: int = 7
+  decay: float = 0.8
+  assistant_only: bool = True
+  vocab_examples: int = 0
+  log_every: int = 25
+  eval_every: int = 250
+  eval_batches: int = 8
+  checkpoint_every: int = 250
+
+  def __post_init__(self):
+    for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
+                 "checkpoint_every"):
+      value = getattr(self, name)
+      _require(value >= 1, f"train.{name} must be >= 1, got {value}; set --config.train.{name}=N with N >= 1.")
+    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay"):
+      value = getattr(self, name)
+      _require(value >= 0, f"train.{name} must be >= 0, got {value}; set --config.train.{name}=0 to turn it "
+               "off.")
+    _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}; set e.g. --config.train.lr=3e-4.")
+    _require(self.clip_norm > 0, f"train.clip_norm must be > 0, got {self.clip_norm}; set e.g. "
+             "--config.train.clip_norm=0.5.")
+    for name in ("b1", "b2"):
+      value = getattr(self, name)
+      _require(0 <= value < 1, f"train.{name} must be in [0, 1), got {value}; AdamW's default is "
+               f"--config.train.{name}={0.9 if name == 'b1' else 0.95}.")
+    _require(0 < self.decay <= 1, f"train.decay must be in (0, 1], got {self.decay}; EAGLE-3 uses "
+             "--config.train.decay=0.8.")
+
+  @property
+  def optimizer(self) -> step_lib.OptimizerSettings:
+    """The optimizer's hyperparameters (a static argument of `train_step`)."""
+    return step_lib.OptimizerSettings(self.lr, self.warmup_steps, self.num_steps, clip_norm=self.clip_norm,
+                                      b1=self.b1, b2=self.b2, weight_decay=self.weight_decay)
+
+  @property
+  def loss_kwargs(self) -> dict:
+    """`train_step` / `eval_step`'s loss settings."""
+    return dict(steps=self.ttt_steps, decay=self.decay, assistant_only=self.assistant_only)
+
+  def stop_step(self, start: int) -> int:
+    """The step this invocation stops at, resuming from `start`."""
+    return min(self.num_steps, start + self.stop_after) if self.stop_after else self.num_steps
