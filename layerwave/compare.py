@@ -42,6 +42,7 @@ from scipy import stats as scipy_stats
 
 from layerwave import atomic
 from layerwave import metrics as metrics_lib
+from layerwave import options as options_lib
 from layerwave import plots
 from layerwave import selection as selection_lib
 from layerwave.analysis import analyze
@@ -51,7 +52,7 @@ from layerwave.speculative import evaluate as evaluate_lib
 from layerwave.training import loop
 from layerwave.training import restore
 
-__all__ = ["LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
+__all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
@@ -84,15 +85,88 @@ class LayerSet:
     return "L" + "-".join(str(i) for i in self.ids)
 
 
-def _split(text: Any) -> list[str]:
-  return [s.strip() for s in str(text or "").split(",") if s.strip()]
+def _split(text: Any) -> tuple[str, ...]:
+  """Items of a comma-separated config string ("eagle3,greedy"), or of a tuple / list."""
+  items = text if isinstance(text, (tuple, list)) else str(text or "").split(",")
+  return tuple(str(s).strip() for s in items if str(s).strip())
 
 
-def _floats(text: Any, field: str) -> list[float]:
+def _floats(text: Any, field: str) -> tuple[float, ...]:
   try:
-    return [float(s) for s in _split(text)]
+    return tuple(float(s) for s in _split(text))
   except ValueError as e:
     raise ValueError(f"compare.{field} must be comma-separated numbers like '0.25,4', got {text!r}.") from e
+
+
+def _manual(text: Any) -> tuple[tuple[int, ...], ...]:
+  chunks = [c for c in str(text or "").split(";") if c.strip()]
+  try:
+    return tuple(selection_lib.parse_layer_ids(c, "compare.manual") for c in chunks)
+  except ValueError as err:
+    raise ValueError(f"compare.manual must be ';'-separated id lists like '2,15,27;5,18,29', got "
+                     f"{text!r}.") from err
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareOptions:
+  """`config.compare`, parsed and validated once (configs/smollm2_135m.py describes every field).
+
+  The comma-separated config strings (`sets`, `lams`, `manual`, `datasets`, `temperatures`) become tuples
+  here; the config keeps its strings so that existing workdirs' fingerprints stay the same.
+  """
+
+  sets: tuple[str, ...] = ()
+  baseline: str = "eagle3"
+  ablation_strategy: str = "exhaustive"
+  lams: tuple[float, ...] = ()
+  num_random: int = 0
+  random_seed: int = 1
+  manual: tuple[tuple[int, ...], ...] = ()
+  seeds: int = 1
+  analysis: str = ""
+  datasets: tuple[str, ...] = evaluate_lib.DATASETS
+  num_prompts: int = 8
+  max_prompt_tokens: int = 256
+  temperatures: tuple[float, ...] = (0.0,)
+  max_new_tokens: int = 64
+  speedup: bool = False
+  keep_checkpoints: bool = True
+  report_only: bool = False
+
+  def __post_init__(self):
+    if self.ablation_strategy not in ("greedy", "exhaustive"):
+      raise ValueError(f"compare.ablation_strategy must be 'greedy' or 'exhaustive', got "
+                       f"{self.ablation_strategy!r}.")
+    if any(v < 0 for v in self.lams):
+      raise ValueError(f"compare.lams holds {min(self.lams)}; λ must be >= 0.")
+    if self.num_random < 0:
+      raise ValueError(f"compare.num_random must be >= 0, got {self.num_random}.")
+    if self.seeds < 1:
+      raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {self.seeds}.")
+    if not self.datasets:
+      raise ValueError(f"compare.datasets is empty; name at least one of {', '.join(evaluate_lib.DATASETS)}.")
+    for name in self.datasets:
+      if name not in evaluate_lib.DATASETS:
+        raise ValueError(f"compare.datasets names {name!r}; held-out prompt sets are "
+                         f"{', '.join(evaluate_lib.DATASETS)}.")
+    if not self.temperatures or any(t < 0 for t in self.temperatures):
+      raise ValueError(f"compare.temperatures must list temperatures >= 0, got {self.temperatures!r}.")
+    if self.max_new_tokens < 1 or self.num_prompts < 0:
+      raise ValueError(f"compare.max_new_tokens must be >= 1 and compare.num_prompts >= 0, got "
+                       f"{self.max_new_tokens} and {self.num_prompts}.")
+
+  @classmethod
+  def from_config(cls, compare) -> CompareOptions:
+    """From the `compare` section (comma-separated strings or tuples for the list fields)."""
+    lists = {"sets": _split(compare.get("sets")), "lams": _floats(compare.get("lams"), "lams"),
+             "manual": _manual(compare.get("manual")), "datasets": _split(compare.get("datasets")),
+             "temperatures": _floats(compare.get("temperatures"), "temperatures")}
+    return options_lib.from_section(cls, compare, "compare", **{k: v for k, v in lists.items()
+                                                                  if k in compare})
+
+  @property
+  def seed_list(self) -> list[int]:
+    return list(range(self.seeds))
 
 
 def _stat_arrays(record: dict, which: str) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +181,7 @@ def _stat_arrays(record: dict, which: str) -> tuple[np.ndarray, np.ndarray]:
   return np.asarray(stats[e_name], np.float64), np.asarray(stats[c_name], np.float64)
 
 
-def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSet]:
+def layer_sets(record: dict, compare: CompareOptions) -> list[LayerSet]:
   """The layer sets `compare` names, selected from an analysis record (`layer_stats.json` content).
 
   Selections use the analysis' own settings (k, λ, min_gap, candidates, compartments, seed), so the
@@ -126,9 +200,7 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
   blocks = blocks if len(blocks) >= k else None
   e, c = _stat_arrays(record, "filtered")
   e_hat = selection_lib.normalize_informativeness(e, candidates)
-  ablation = str(compare.ablation_strategy)
-  if ablation not in ("greedy", "exhaustive"):
-    raise ValueError(f"compare.ablation_strategy must be 'greedy' or 'exhaustive', got {ablation!r}.")
+  ablation = compare.ablation_strategy
 
   def select(strategy, entropy=e, cka=c, lam_=lam, seed_=seed):
     compartments = None
@@ -145,8 +217,8 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
     objective = float(selection_lib.subset_objective(np.array([ids]), e_hat, c, lam)[0])
     out.append(LayerSet(name, ids, kind, objective, description))
 
-  baseline = str(compare.baseline)
-  for item in _split(compare.sets):
+  baseline = compare.baseline
+  for item in compare.sets:
     if item in selection_lib.STRATEGIES:
       kind = "baseline" if item == baseline else ("random" if item == "random" else "strategy")
       add(item, select(item), kind, f"{item} strategy on the filtered statistics (λ={lam:g})")
@@ -165,27 +237,17 @@ def layer_sets(record: dict, compare: ml_collections.ConfigDict) -> list[LayerSe
                        f"({', '.join(selection_lib.STRATEGIES)}) nor an ablation ({', '.join(SET_ITEMS)}); "
                        "use compare.lams for a λ sweep, compare.num_random for random sets and "
                        "compare.manual for explicit ids.")
-  for value in _floats(compare.lams, "lams"):
-    if value < 0:
-      raise ValueError(f"compare.lams holds {value}; λ must be >= 0.")
+  for value in compare.lams:
     add(f"lam={value:g}", select(ablation, lam_=value), "ablation", f"{ablation} with λ = {value:g}")
-  num_random = int(compare.num_random)
-  if num_random < 0:
-    raise ValueError(f"compare.num_random must be >= 0, got {num_random}.")
-  for i in range(num_random):
-    s = int(compare.random_seed) + i
+  for i in range(compare.num_random):
+    s = compare.random_seed + i
     add(f"random-{i}", select("random", seed_=s), "random", f"k random candidates (seed {s})")
-  for i, text in enumerate(s for s in str(compare.manual or "").split(";") if s.strip()):
-    try:
-      ids = selection_lib.parse_layer_ids(text, "manual")
-    except ValueError as err:
-      raise ValueError(f"compare.manual must be ';'-separated id lists like '2,15,27;5,18,29', got "
-                       f"{compare.manual!r}.") from err
+  for i, ids in enumerate(compare.manual):
     try:
       selection_lib.LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden,
                                    strategy="manual").validate_for(num_layers, hidden)
     except ValueError as err:
-      raise ValueError(f"compare.manual set {text!r} is not a valid layer set for this target "
+      raise ValueError(f"compare.manual set {','.join(map(str, ids))!r} is not a valid layer set for this target "
                        f"(L={num_layers}, ids 0..{num_layers}, distinct): {err}") from err
     add(f"manual-{i}", ids, "manual", "given ids")
   if not out:
@@ -244,13 +306,6 @@ def check_workdir(workdir: str, config) -> None:
   atomic.write_json(path, {"fingerprint": value, "settings": d})
 
 
-def seeds_of(compare) -> list[int]:
-  n = int(compare.seeds)
-  if n < 1:
-    raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {n}.")
-  return list(range(n))
-
-
 def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.ConfigDict:
   """The training config of one cell: the shared budget, this set's ids and this seed."""
   d = config.to_dict()
@@ -267,45 +322,27 @@ def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.Config
 # -- evaluation --------------------------------------------------------------------------------------
 
 
-def eval_prompts(compare, tokenizer) -> dict[str, list[list[int]]]:
+def eval_prompts(compare: CompareOptions, tokenizer) -> dict[str, list[list[int]]]:
   """Held-out chat prompts per dataset: the first `num_prompts` first turns of ≤ max_prompt_tokens."""
-  names = _split(compare.datasets)
-  if not names:
-    raise ValueError(f"compare.datasets is empty; name at least one of {', '.join(evaluate_lib.DATASETS)}.")
-  out = {}
-  for name in names:
-    if name not in evaluate_lib.DATASETS:
-      raise ValueError(f"compare.datasets names {name!r}; held-out prompt sets are "
-                       f"{', '.join(evaluate_lib.DATASETS)}.")
-    items = evaluate_lib.chat_prompts(tokenizer, name, int(compare.num_prompts), int(compare.max_prompt_tokens),
-                                      section="compare")
-    out[name] = [ids for _, ids in items]
-  return out
-
-
-def temperatures_of(compare) -> list[float]:
-  temps = _floats(compare.temperatures, "temperatures")
-  if not temps or any(t < 0 for t in temps):
-    raise ValueError(f"compare.temperatures must list temperatures >= 0, got {compare.temperatures!r}.")
-  return temps
+  return {name: [ids for _, ids in evaluate_lib.chat_prompts(tokenizer, name, compare.num_prompts,
+                                                              compare.max_prompt_tokens, section="compare")]
+          for name in compare.datasets}
 
 
 def _temp_key(t: float) -> str:
   return f"T{t:g}"
 
 
-def evaluate_draft(target, draft, prompts, config, width: int, seed: int,
-                   speedup: bool = False) -> dict[str, Any]:
+def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings, temperatures: Sequence[float],
+                   seed: int, speedup: bool = False) -> dict[str, Any]:
   """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`.
 
   With `speedup`, plain decoding (`layerwave.generate`) and speculation decode each batch in alternation
   (`timing.paired_speedup`, `speculate.timing_repeats` pairs per batch): the speedup is the median of the
   per-pair tokens/s ratios, with its quartiles, and at T = 0 the outputs are compared token for token.
   """
-  settings = evaluate_lib.DecodeSettings.from_config(
-      config.speculate, max_new_tokens=int(config.compare.max_new_tokens), prompt_width=width)
   result = {}
-  for t in temperatures_of(config.compare):
+  for t in temperatures:
     at_t = dataclasses.replace(settings, temperature=t)
     # Compilation stays outside the clock only when timed (paired_speedup warms each shape up first).
     runs = {name: evaluate_lib.evaluate(target, draft, ps, at_t, seed, paired=speedup, warmup=speedup)
@@ -347,9 +384,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) the comparison in `workdir`; returns the summary (also written as JSON/markdown)."""
   if not workdir:
     raise ValueError("compare needs --workdir: the folder for cells/, results.md and plots/.")
-  cmp = config.compare
-  seeds = seeds_of(cmp)
-  temperatures_of(cmp)
+  cmp = CompareOptions.from_config(config.compare)
+  seeds = cmp.seed_list
   os.makedirs(workdir, exist_ok=True)
   metrics_lib.quiet_library_logs()
   record, stats_path = _analysis_record(config, workdir)
@@ -362,7 +398,9 @@ def run(config, workdir: str) -> dict[str, Any]:
                          for s in sets))
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer)
-  width = max(len(p) for ps in prompts.values() for p in ps)
+  settings = evaluate_lib.DecodeSettings.from_config(
+      config.speculate, max_new_tokens=cmp.max_new_tokens,
+      prompt_width=max(len(p) for ps in prompts.values() for p in ps))
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
   cells = [(s, seed) for seed in seeds for s in unique.values()]
@@ -387,7 +425,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
                  ", ".join(prompts))
     draft = restore.load_draft(cell_dir, target)
-    evaluation = evaluate_draft(target, draft, prompts, config, width, seed, bool(cmp.speedup))
+    evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
     result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
     atomic.write_json(path, result)
@@ -395,19 +433,17 @@ def run(config, workdir: str) -> dict[str, Any]:
       shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
     results[(s.key, seed)] = result
     done_here += 1
-    t0 = _temp_key(temperatures_of(cmp)[0])
+    t0 = _temp_key(cmp.temperatures[0])
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
   summary = summarize(sets, results, seeds, cmp, prompts)
   summary["analysis"] = stats_path
   summary["budget"] = budget_of(config)
-  summary["eval_settings"] = {"datasets": list(prompts), "prompts_per_dataset": int(cmp.num_prompts),
-                              "max_new_tokens": int(cmp.max_new_tokens),
-                              "temperatures": temperatures_of(cmp), "method": config.speculate.method,
-                              "num_draft_tokens": int(config.speculate.num_draft_tokens),
-                              "batch_size": int(config.speculate.batch_size),
-                              "timing_repeats": int(config.speculate.timing_repeats)}
+  summary["eval_settings"] = {"datasets": list(prompts), "prompts_per_dataset": cmp.num_prompts,
+                              "max_new_tokens": cmp.max_new_tokens, "temperatures": list(cmp.temperatures),
+                              "method": settings.spec.method, "num_draft_tokens": settings.spec.num_draft_tokens,
+                              "batch_size": settings.batch_size, "timing_repeats": settings.timing_repeats}
   table = markdown_table(summary)
   atomic.write_json(os.path.join(workdir, "results.json"), summary)
   atomic.write_text(os.path.join(workdir, "results.md"), table + "\n")
@@ -448,10 +484,10 @@ def _metric(result: dict, name: str) -> float | None:
   return result["eval"].get(name, {}).get("tau")
 
 
-def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], seeds: Sequence[int], compare,
-              prompts: dict[str, Any]) -> dict[str, Any]:
+def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], seeds: Sequence[int],
+              compare: CompareOptions, prompts: dict[str, Any]) -> dict[str, Any]:
   """Mean ± 95 % CI per set, paired differences against the baseline, Spearman(objective, τ) over sets."""
-  temps = [_temp_key(t) for t in temperatures_of(compare)]
+  temps = [_temp_key(t) for t in compare.temperatures]
   names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
   if compare.speedup:
     names += [f"{f}:{t}/all" for t in temps for f in ("speedup", "speedup_p25", "speedup_p75",

@@ -5,6 +5,7 @@ tests/conftest.py (L = 8) twice (the second run must skip every finished cell), 
 the refusal of a different config.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -50,7 +51,7 @@ def _compare(**overrides):
       "ablation_strategy": "exhaustive", "lams": "0,0.5,4", "num_random": 2, "random_seed": 7,
       "manual": "1,2,3; 9,10,11", "seeds": 3, "speedup": False, "temperatures": "0,1"})
   c.update(overrides)
-  return c
+  return compare.CompareOptions.from_config(c)
 
 
 def _brute(e, c, lam):
@@ -104,6 +105,30 @@ def test_layer_sets_match_brute_force_references():
 def test_layer_sets_bad_inputs(overrides, message):
   with pytest.raises(ValueError, match=message):
     compare.layer_sets(_record(), _compare(**overrides))
+
+
+def test_compare_options_parse_the_section_once():
+  for variant in ("smoke", "compare", "demo"):
+    section = configs.load(variant).compare
+    opts = compare.CompareOptions.from_config(section)
+    assert opts.sets == tuple(section.sets.split(",")) and opts.seeds == section.seeds
+    assert {f for f in section.keys()} == {f.name for f in dataclasses.fields(opts)}
+  opts = compare.CompareOptions.from_config(ml_collections.ConfigDict(
+      {"sets": ("eagle3", "greedy"), "lams": (0.5,), "temperatures": "0, 1", "manual": "2,3,4;5, 6,7"}))
+  assert opts.sets == ("eagle3", "greedy") and opts.lams == (0.5,) and opts.temperatures == (0.0, 1.0)
+  assert opts.manual == ((2, 3, 4), (5, 6, 7)) and opts.seed_list == [0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"seeds": 0}, r"compare\.seeds must be >= 1"),
+    ({"datasets": "mtbench,gsm9k"}, r"compare\.datasets names 'gsm9k'"),
+    ({"datasets": ""}, r"compare\.datasets is empty"),
+    ({"temperatures": "0,-1"}, r"compare\.temperatures must list temperatures >= 0"),
+    ({"max_new_tokens": 0}, r"compare\.max_new_tokens must be >= 1"),
+])
+def test_compare_options_refuse_bad_values_naming_the_field(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    _compare(**{"datasets": "mtbench", "max_new_tokens": 8, **overrides})
 
 
 def test_nofilter_needs_unfiltered_statistics():
@@ -236,9 +261,9 @@ def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
   monkeypatch.setattr(evaluate, "plain_generate", plain)
   monkeypatch.setattr(evaluate, "speculative_generate", spec)
   config = _config()
-  config.compare.temperatures = "0"
+  settings = evaluate.DecodeSettings.from_config(config.speculate, max_new_tokens=4, prompt_width=9)
   prompts = {"mtbench": [[1, 2], [3], [4, 5, 6]], "gsm8k": [[5]]}  # batch_size 2: batches 2+1, then 1
-  result = compare.evaluate_draft(None, None, prompts, config, 9, 0, speedup=True)
+  result = compare.evaluate_draft(None, None, prompts, settings, [0.0], 0, speedup=True)
   names = [n for n, _ in log]
   warm, pairs = ["plain", "spec"], ["plain", "spec", "spec", "plain", "plain", "spec"]
   assert names[:2 + 6] == warm + pairs and len(names) == 3 * (2 + 6)
@@ -248,7 +273,7 @@ def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
   assert mt["equal_to_ar"] == pytest.approx(2 / 3) and pooled["equal_to_ar"] == pytest.approx(3 / 4)
   assert mt["accept_length_hist"] == [3, 2, 0, 0] and pooled["accept_length_hist"] == [4, 3, 0, 0]
   log.clear()
-  untimed = compare.evaluate_draft(None, None, prompts, config, 9, 0, speedup=False)
+  untimed = compare.evaluate_draft(None, None, prompts, settings, [0.0], 0, speedup=False)
   assert {n for n, _ in log} == {"spec"} and len(log) == 3 and "speedup" not in untimed["T0/all"]
   assert untimed["T0/all"]["tau"] == pooled["tau"]
 
