@@ -27,7 +27,6 @@ Legend (`layerwave.axes`): L target layers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -47,10 +46,12 @@ from layerwave import plots
 from layerwave import selection as selection_lib
 from layerwave.analysis import analyze
 from layerwave.analysis import compartments as compartments_lib
+from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
 from layerwave.training import loop
 from layerwave.training import restore
+from layerwave.training.options import DraftModelOptions, TrainOptions
 
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
 
@@ -275,8 +276,7 @@ def fingerprint(config) -> tuple[str, dict]:
     d.pop(key, None)
   if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
     d.get("speculate", {}).pop("timing_repeats", None)
-  text = json.dumps(d, sort_keys=True)
-  return hashlib.sha256(text.encode()).hexdigest()[:16], d
+  return options_lib.fingerprint(d), d
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -455,11 +455,12 @@ def run(config, workdir: str) -> dict[str, Any]:
 
 def budget_of(config) -> dict[str, Any]:
   """The training budget every cell shares."""
-  t, d = config.train, config.draft_model
-  return {"num_steps": int(t.num_steps), "batch_size": int(t.batch_size),
-          "max_length": int(config.data.max_length), "lr": float(t.lr), "ttt_steps": int(t.ttt_steps),
-          "draft_vocab_size": int(d.vocab_size), "draft_layers": int(d.num_layers),
-          "tokens_per_cell": int(t.num_steps) * int(t.batch_size) * int(config.data.max_length)}
+  t = options_lib.from_section(TrainOptions, config.train, "train")
+  d = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model")
+  length = options_lib.from_section(DataOptions, config.data, "data").max_length
+  return {"num_steps": t.num_steps, "batch_size": t.batch_size, "max_length": length, "lr": t.lr,
+          "ttt_steps": t.ttt_steps, "draft_vocab_size": d.vocab_size, "draft_layers": d.num_layers,
+          "tokens_per_cell": t.num_steps * t.batch_size * length}
 
 
 # -- the table -----------------------------------------------------------------------------------------

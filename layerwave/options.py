@@ -10,10 +10,12 @@ ranges. Library code reads the typed fields and casts nothing.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import typing
 from typing import Any
 
-__all__ = ["convert", "from_section"]
+__all__ = ["convert", "fingerprint", "from_section"]
 
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -36,6 +38,13 @@ def _convert(value: Any, kind: str, where: str) -> Any:
       raise ValueError(f"{where} must be a string, got {value!r}.")
     return value
   raise TypeError(f"{where}: no conversion for field type {kind!r}.")
+
+
+def fingerprint(value: Any) -> str:
+  """The first 16 hex digits of the sha256 of `value`'s JSON (keys sorted): the one hash of settings that
+  workdirs record (training's config fingerprint, the comparison's, the analysis' data hash)."""
+  text = json.dumps(value, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def convert(value: Any, kind: type, where: str) -> Any:

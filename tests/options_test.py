@@ -1,6 +1,8 @@
 """layerwave.options: config sections become typed options, and a wrong kind names its field."""
 
 import dataclasses
+import hashlib
+import json
 
 import ml_collections
 import pytest
@@ -40,3 +42,10 @@ def test_convert_one_value():
   assert options.convert(4.0, int, "seed") == 4
   with pytest.raises(ValueError, match="seed must be an integer"):
     options.convert("x", int, "seed")
+
+
+def test_fingerprint_is_the_hash_workdirs_already_record():
+  d = {"train": {"lr": 3e-4, "batch_size": 8}, "model": "m", "mesh": [["data", -1]]}
+  old = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]  # training's, compare's
+  assert options.fingerprint(d) == old == options.fingerprint(dict(reversed(list(d.items()))))
+  assert options.fingerprint(d) != options.fingerprint({**d, "model": "n"})

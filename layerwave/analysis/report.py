@@ -13,7 +13,6 @@ Legend (`layerwave.axes`): L target layers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as scipy_stats
 
+from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave.analysis import compartments as compartments_lib
 from layerwave.analysis import stats as stats_lib
@@ -89,8 +89,7 @@ def selection_options_from_config(analysis: Any) -> SelectionOptions:
 
 def data_hash(*parts: Any) -> str:
   """sha256 (first 16 hex digits) of the JSON of `parts` (dataset fingerprint, model, settings)."""
-  text = json.dumps(parts, sort_keys=True, default=str)
-  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+  return options_lib.fingerprint(parts)
 
 
 def informativeness(stats: stats_lib.LayerStats, options: SelectionOptions) -> np.ndarray:

@@ -17,6 +17,7 @@ import numpy as np
 
 from flax import nnx
 
+from layerwave import options as options_lib
 from layerwave import selection
 from layerwave.data import chat
 from layerwave.data import sources
@@ -125,14 +126,8 @@ class DecodeSettings:
   @classmethod
   def from_config(cls, s, **overrides) -> DecodeSettings:
     """From a `config.speculate` section; `overrides` replace fields (e.g. compare's max_new_tokens)."""
-    spec = decode.SpecOptions(method=str(s.method), num_draft_tokens=int(s.num_draft_tokens),
-                              tree_depth=int(s.tree_depth), tree_top_k=int(s.tree_top_k),
-                              tree_tokens=int(s.tree_tokens), draft_sample=bool(s.draft_sample))
-    fields = dict(max_new_tokens=int(s.max_new_tokens), temperature=float(s.temperature), top_k=int(s.top_k),
-                  top_p=float(s.top_p), batch_size=int(s.batch_size), timing_repeats=int(s.timing_repeats),
-                  spec=spec)
-    fields.update(overrides)
-    return cls(**fields)
+    spec = options_lib.from_section(decode.SpecOptions, s, "speculate")
+    return options_lib.from_section(cls, s, "speculate", **{"spec": spec, **overrides})
 
   @property
   def name(self) -> str:

@@ -10,7 +10,6 @@ Legend (`layerwave.axes`): D target width, V target vocabulary.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -86,7 +85,7 @@ def config_fingerprint(config) -> str:
   d.pop("draft", None)
   d.pop("speculate", None)
   d.pop("analysis", None)
-  return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+  return options_lib.fingerprint(d)
 
 
 def load_data(data: DataOptions, target: Target):
