@@ -6,6 +6,8 @@ batches, alone or paired with plain decoding (`timing.paired_speedup`: both deco
 so the speedup is the median pair ratio and greedy outputs can be compared token for token); `summary`
 and `acceptance_row` turn an `Evaluation` into the metrics `experiments/speculate.py`,
 `experiments/bench_speculative.py` and `layerwave.compare` write; `table` and `speedup_cell` format them.
+
+Legend (`layerwave.axes`): K draft depth.
 """
 
 from __future__ import annotations
