@@ -24,7 +24,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 # The main job: analysis → selection → drafts on the selected and on EAGLE-3's layers → speculative
-# decoding on MT-bench prompts → comparison table and plots in out/demo (~11 min on 2 CPU cores).
+# decoding on MT-bench prompts → comparison table and plots in out/demo (~13 min on 2 CPU cores).
 demo: setup
 	$(PY) experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
 
