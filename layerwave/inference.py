@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 from typing import Any, Sequence
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from layerwave import sharding
@@ -106,6 +109,25 @@ class Target:
     mask = jax.device_put(mask.astype(np.int32), batch)
     return forward_fn(self.graphdef, self.params, tokens, mask,
                       return_hidden_states=return_hidden_states)
+
+
+def target_fingerprint(target: Target) -> str:
+  """A hex sha256 of what fixes the target's outputs: its `ModelConfig` and every parameter's name, dtype,
+  shape and bytes.
+
+  Stages that store what the target computed (the feature store, regenerated answers) record it, and refuse
+  to mix their output with another target's. The parameters are hashed as loaded, so the same checkpoint
+  loaded in another dtype is another target. About a second for SmolLM2-135M (540 MB of float32).
+  """
+  digest = hashlib.sha256()
+  digest.update(json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str).encode())
+  for path, leaf in jax.tree_util.tree_leaves_with_path(target.params):
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      leaf = multihost_utils.process_allgather(leaf, tiled=True)
+    value = np.ascontiguousarray(np.asarray(leaf))
+    digest.update(f"{jax.tree_util.keystr(path)}|{value.dtype}|{value.shape}".encode())
+    digest.update(value.reshape(-1).view(np.uint8))
+  return digest.hexdigest()
 
 
 def check_token_ids(tokens: np.ndarray, vocab_size: int) -> None:

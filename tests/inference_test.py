@@ -1,5 +1,6 @@
 """layerwave.inference: the Target's calls on a tiny random NNX target, prompt padding, dtypes, the cache."""
 
+import dataclasses
 import types
 
 import jax
@@ -99,3 +100,13 @@ def test_eos_ids_join_the_config_and_the_tokenizer(target):
 
 def test_a_checkpoint_without_tokenizer_files_loads_none(tmp_path):
   assert inference._load_tokenizer(str(tmp_path)) is None  # pylint: disable=protected-access
+
+
+def test_target_fingerprint_changes_with_any_weight_and_the_dtype(target):
+  same = inference.target_fingerprint(target)
+  assert same == inference.target_fingerprint(dataclasses.replace(target)) and len(same) == 64
+  params = jax.tree.map(lambda x: x, target.params)
+  params["norm"]["scale"][...] = params["norm"]["scale"][...].at[3].add(1e-3)
+  assert inference.target_fingerprint(dataclasses.replace(target, params=params)) != same
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params)
+  assert inference.target_fingerprint(dataclasses.replace(target, params=half)) != same
