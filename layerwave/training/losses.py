@@ -1,4 +1,4 @@
-"""The training-time-test (TTT) loss of an EAGLE-3 draft (METHOD §7).
+"""The training-time-test (TTT) loss of an EAGLE-3 draft (METHOD §7), and the targets it trains towards.
 
 Step 0 reads the fused target features g_t; step j > 0 reads the draft's own output features at the same
 positions, with the input tokens shifted by one more token and RoPE positions offset by j. At step j, draft
@@ -6,6 +6,12 @@ position t reads token x_{t+1+j} and is trained towards the target's distributio
 target's logits at position t+1+j), restricted to the draft vocabulary and renormalised, by soft
 cross-entropy. Positions whose target argmax lies outside the draft vocabulary, padding, and (by flag)
 non-assistant tokens are masked from the loss. Total = Σ_j decay^j L_j.
+
+The loss takes those targets ready-made, `[B, T, V_d]` log-probs and a `[B, T]` in-vocabulary mask, from
+one of two places: `target_targets` reads them off the target's full logits (the online step, target in the
+step); `offline_targets` recomputes them from a feature store's final-norm hidden states h_L, the target's
+LM-head rows of the draft vocabulary and the stored full-vocabulary argmax (the offline step, no target).
+Both give the same numbers: the restricted logits are h_L @ head[:, draft ids] either way.
 
 The accuracy `acc_j` counts every predictable position, and a position whose target argmax is outside the
 draft vocabulary as a miss: such a token can never be drafted, so it can never be accepted (as EAGLE-3 and
@@ -30,19 +36,41 @@ def target_targets(target_logits: jax.Array, draft: Draft) -> tuple[jax.Array, j
   return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab
 
 
+def offline_targets(final_hidden: jax.Array, head_rows: jax.Array, target_argmax: jax.Array,
+                    draft: Draft) -> tuple[jax.Array, jax.Array]:
+  """`target_targets` without the target: from its final-norm hidden states and stored argmax.
+
+  Args:
+    final_hidden: `[B, T, D]` the target's final-norm hidden states h_L (a feature store's `final`).
+    head_rows: `[D, V_d]` the target's LM head restricted to the draft vocabulary (`head[:, draft ids]`).
+    target_argmax: `[B, T]` int the target's full-vocabulary argmax (stored at extraction).
+    draft: the draft (its `t2d` table).
+
+  Returns:
+    (log-probs `[B, T, V_d]` float32, in-vocabulary mask `[B, T]` bool).
+  """
+  restricted = jnp.dot(final_hidden, head_rows.astype(final_hidden.dtype),
+                       preferred_element_type=jnp.float32)
+  in_vocab = jnp.take(draft.t2d[...], target_argmax)
+  return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab
+
+
 def _shift(x: jax.Array, by: jax.Array, length: int) -> jax.Array:
   """`x[:, by : by + length]` along axis 1 for `x` already padded at the end."""
   return jax.lax.dynamic_slice_in_dim(x, by, length, axis=1)
 
 
-def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens: jax.Array,
-             attention_mask: jax.Array, loss_mask: jax.Array, *, steps: int, decay: float = 0.8):
+def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab: jax.Array,
+             tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *, steps: int,
+             decay: float = 0.8):
   """Unrolled TTT loss.
 
   Args:
     draft: the draft (merged NNX module, inside a transform).
     features: `[k, B, T, D]` the selected target layers' hidden states.
-    target_logits: `[B, T, V]` target logits (position p predicts token p+1).
+    target_logp: `[B, T, V_d]` float32 target log-probs over the draft vocabulary, renormalised (position p
+      predicts token p+1): `target_targets` or `offline_targets`.
+    in_vocab: `[B, T]` whether the target's full-vocabulary argmax at p lies in the draft vocabulary.
     tokens: `[B, T]` token ids.
     attention_mask: `[B, T]` 1 on real tokens.
     loss_mask: `[B, T]` 1 on tokens the loss may predict (assistant tokens, or every real token).
@@ -57,7 +85,7 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logits: jax.Array, tokens
   """
   _, t = tokens.shape
   pad = steps + 1
-  logp, in_vocab = target_targets(target_logits, draft)
+  logp = target_logp
   predictable = (loss_mask * attention_mask).astype(bool)
   tokens_p = jnp.pad(tokens, ((0, 0), (0, pad)))
   logp_p = jnp.pad(logp, ((0, 0), (0, pad), (0, 0)))

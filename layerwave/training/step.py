@@ -94,7 +94,8 @@ def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_param
   features = jax.lax.stop_gradient(out.hidden_states)
   logits = jax.lax.stop_gradient(out.logits)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
-  return losses.ttt_loss(draft, features, logits, tokens, attn, loss_mask, steps=steps,
+  logp, in_vocab = losses.target_targets(logits, draft)
+  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
                          decay=decay)
 
 

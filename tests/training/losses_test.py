@@ -1,4 +1,5 @@
-"""The TTT loss's accuracy counts an out-of-vocabulary target as a miss; checked against plain numpy."""
+"""The TTT loss's accuracy counts an out-of-vocabulary target as a miss (checked against plain numpy); its
+targets from the full logits (online) equal those recomputed from h_L, the head rows and the argmax (offline)."""
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,8 @@ def draft_argmax(draft, features, tokens, attn):
 
 def test_accuracy_counts_out_of_vocabulary_targets_as_misses():
   draft, features, logits, tokens, attn, loss_mask = setup()
-  _, m = losses.ttt_loss(draft, features, logits, jnp.asarray(tokens), jnp.asarray(attn),
-                         jnp.asarray(loss_mask), steps=STEPS)
+  _, m = losses.ttt_loss(draft, features, *losses.target_targets(logits, draft), jnp.asarray(tokens),
+                         jnp.asarray(attn), jnp.asarray(loss_mask), steps=STEPS)
   pred = draft_argmax(draft, features, tokens, attn)
   full_argmax = np.argmax(np.asarray(logits, np.float64), -1)  # [B, T]
   in_vocab = np.asarray(draft.t2d[...])[full_argmax]
@@ -89,7 +90,22 @@ def test_full_vocabulary_draft_has_equal_accuracies():
   draft, features, logits, tokens, attn, loss_mask = setup(v_d=CONFIG.vocab_size)
   draft.d2t[...] = jnp.zeros(CONFIG.vocab_size, jnp.int32)
   draft.t2d[...] = jnp.ones(CONFIG.vocab_size, bool)
-  _, m = losses.ttt_loss(draft, features, logits, jnp.asarray(tokens), jnp.asarray(attn),
-                         jnp.asarray(loss_mask), steps=STEPS)
+  _, m = losses.ttt_loss(draft, features, *losses.target_targets(logits, draft), jnp.asarray(tokens),
+                         jnp.asarray(attn), jnp.asarray(loss_mask), steps=STEPS)
   np.testing.assert_array_equal(np.asarray(m["acc_j"]), np.asarray(m["acc_in_vocab_j"]))
   jax.block_until_ready(m)
+
+
+def test_offline_targets_equal_the_targets_of_the_full_logits():
+  target = Transformer(CONFIG, rngs=nnx.Rngs(3))
+  draft, *_ = setup()
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 9)), jnp.int32)
+  out = target(tokens, jnp.broadcast_to(jnp.arange(9), (2, 9)), causal_mask(jnp.ones((2, 9), jnp.int32)))
+  online = losses.target_targets(out.logits, draft)
+  head = target.embed_tokens.embedding[...].T if CONFIG.tie_word_embeddings else target.lm_head.kernel[...]
+  rows = jnp.take(head, draft.draft_token_ids(), axis=1)  # [D, V_d]
+  offline = losses.offline_targets(out.last_hidden, rows, jnp.argmax(out.logits, -1), draft)
+  np.testing.assert_allclose(np.asarray(offline[0]), np.asarray(online[0]), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(offline[1]), np.asarray(online[1]))
+  assert 0 < int(online[1].sum()) < online[1].size  # both in- and out-of-vocabulary argmaxes occur
