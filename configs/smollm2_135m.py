@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (embedded, Q4_1 GGUF dequantized to float32): every stage of the pipeline.
 
   python experiments/analyze.py     --config=configs/smollm2_135m.py --workdir=W
+  python experiments/distill.py     --config=configs/smollm2_135m.py --workdir=D   # then data.source=distilled:D
   python experiments/train_draft.py --config=configs/smollm2_135m.py --workdir=W --config.layers=2,15,27
   python experiments/speculate.py   --config=configs/smollm2_135m.py --workdir=W --config.draft=W
   python experiments/compare_layers.py --config=configs/smollm2_135m.py:compare --workdir=W \
@@ -44,6 +45,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.max_records = 0  # 0 = every conversation
   c.data.heldout_fraction = 0.05
   c.data.split_seed = 0
+
+  # -- self-distilled data (experiments/distill.py): the target answers the training prompts ------
+  # Writes W/dataset (array_record) + W/manifest.json; train on it with --config.data.source=distilled:W.
+  c.distill = ml_collections.ConfigDict()
+  c.distill.source = "sharegpt"  # prompt source (its user turns)
+  c.distill.num_prompts = 0  # conversations answered; 0 = all that pass the filters
+  c.distill.turns = 1  # user turns answered per conversation, each after the target's own earlier answers
+  c.distill.max_new_tokens = 512
+  c.distill.max_prompt_tokens = 512  # longer first prompts are skipped (and counted)
+  c.distill.temperature = 0.0  # 0 = greedy
+  c.distill.top_k = 0
+  c.distill.top_p = 1.0
+  c.distill.seed = 0
+  c.distill.batch_size = 32  # prompts per generate call (may change on resume)
+  c.distill.chunk_size = 64  # conversations per resumable chunk
+  c.distill.loop_max_period = 64  # repetition loops: a block of <= 64 tokens repeated back to back...
+  c.distill.loop_min_repeats = 3  # ...at least 3 times...
+  c.distill.loop_min_tokens = 32  # ...over >= 32 tokens is cut after its first occurrence (period 0 = off)
+  c.distill.keep_unfinished = True  # keep answers cut by max_new_tokens
+  c.distill.exclude = "mtbench,humaneval,gsm8k"  # evaluation prompts that never enter the data
+  c.distill.exclude_min_chars = 40  # containment (either way) counts from this length; equality always
 
   # -- analysis (experiments/analyze.py) -----------------------------------------------------------
   # shared/METHOD.md §2-§6; reads `data` for the sequences (`data.max_length` tokens each).
@@ -152,6 +174,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "smoke":
     c.data.max_length = 128
     c.data.max_records = 200
+    c.distill.num_prompts = 8
+    c.distill.max_new_tokens = 32
+    c.distill.max_prompt_tokens = 128
+    c.distill.batch_size = 4
+    c.distill.chunk_size = 4
     c.analysis.batch_size = 4
     c.analysis.num_batches = 4
     c.analysis.max_tokens = 0

@@ -272,7 +272,7 @@ def fingerprint(config) -> tuple[str, dict]:
     d.get("compare", {}).pop(key, None)
   for key in _RUN_LENGTH:
     d.get("train", {}).pop(key, None)
-  for key in ("draft", "layers", "selection", "seed"):
+  for key in ("draft", "layers", "selection", "seed", "distill"):  # distill: another stage's section
     d.pop(key, None)
   if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
     d.get("speculate", {}).pop("timing_repeats", None)

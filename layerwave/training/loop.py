@@ -85,6 +85,7 @@ def config_fingerprint(config) -> str:
   d.pop("draft", None)
   d.pop("speculate", None)
   d.pop("analysis", None)
+  d.pop("distill", None)  # another stage's section (experiments/distill.py); training reads its output by path
   return options_lib.fingerprint(d)
 
 
