@@ -33,7 +33,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where bench_speculative.json go
 _DATASETS = flags.DEFINE_list("datasets", ["mtbench", "humaneval", "gsm8k"], "Prompt sets.")
 _NUM = flags.DEFINE_list("num_prompts", ["80", "40", "40"], "Prompts per dataset (0 = all).")
 _METHODS = flags.DEFINE_list("methods", ["chain3", "chain5", "chain7", "tree"],
-                             "chainK (K drafted tokens) or tree (config.speculate's budget).")
+                             "chainK (K drafted tokens), tree (config.speculate's budget), or auto (the "
+                             "tuner's choice among chains up to speculate.num_draft_tokens and small trees).")
 _TEMPS = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
 
 
@@ -53,12 +54,20 @@ def main(argv):
     items = evaluate.chat_prompts(target.tokenizer, dataset, counts.get(dataset, int(s.num_prompts)))
     for temp in (float(t) for t in _TEMPS.value):
       for method in _METHODS.value:
-        spec = (dataclasses.replace(base.spec, method="tree") if method == "tree" else dataclasses.replace(
-            base.spec, method="chain", num_draft_tokens=int(method.removeprefix("chain"))))
-        settings = dataclasses.replace(base, temperature=temp, spec=spec)
+        settings = dataclasses.replace(base, temperature=temp, auto=method == "auto")
+        if method == "tree":
+          settings = dataclasses.replace(settings, spec=dataclasses.replace(base.spec, method="tree"))
+        elif method.startswith("chain"):
+          settings = dataclasses.replace(settings, spec=dataclasses.replace(
+              base.spec, method="chain", num_draft_tokens=int(method.removeprefix("chain"))))
+        elif method != "auto":
+          raise app.UsageError(f"--methods: {method!r} is not chainK, tree or auto.")
         ev = evaluate.evaluate(target, draft, [p for _, p in items], settings, int(config.seed), paired=True)
         summary = evaluate.summary(ev)
-        summary.update(dataset=dataset, temperature=temp, name=method)
+        summary.update(dataset=dataset, temperature=temp,
+                       name=f"auto: {summary['setting']}" if method == "auto" else method)
+        if ev.tuning is not None:
+          print(ev.tuning.table(), flush=True)
         results.append(summary)
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s ar={summary['ar_tokens_per_s']:.1f} tok/s "

@@ -53,6 +53,8 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   atomic.write_text(os.path.join(workdir, "spec_generations.jsonl"), "".join(
       json.dumps({"id": rid, "new_tokens": len(out), "text": target.tokenizer.decode(out)}) + "\n"
       for (rid, _), out in zip(items, ev.outputs)))
+  if ev.tuning is not None:
+    print(ev.tuning.table())
   print(evaluate.table(summary, settings))
   if prompt:
     print(f"\n>>> {prompt}\n{target.tokenizer.decode(ev.outputs[0], skip_special_tokens=True)}")

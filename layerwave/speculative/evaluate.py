@@ -27,6 +27,7 @@ from layerwave.generate import generate as plain_generate
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.speculative import decode
 from layerwave.speculative import timing
+from layerwave.speculative import tuner
 from layerwave.speculative.decode import generate as speculative_generate
 from layerwave.training import restore
 
@@ -107,6 +108,8 @@ class DecodeSettings:
     timing_repeats: timed pairs per batch when paired.
     prompt_width: pad prompts to at least this many tokens (one compilation for every batch), 0 = off.
     spec: how to draft (`decode.SpecOptions`).
+    auto: choose `spec` by measurement before decoding (`speculate.method="auto"`, `tuner.tune`): chains of
+      1 .. `spec.num_draft_tokens` and the small trees of `tuner.AUTO_TREES`, tuned on the first prompts.
   """
 
   max_new_tokens: int
@@ -117,6 +120,7 @@ class DecodeSettings:
   timing_repeats: int = 3
   prompt_width: int = 0
   spec: decode.SpecOptions = decode.SpecOptions()
+  auto: bool = False
 
   def __post_init__(self):
     for name in ("max_new_tokens", "batch_size", "timing_repeats"):
@@ -128,15 +132,30 @@ class DecodeSettings:
   @classmethod
   def from_config(cls, s, **overrides) -> DecodeSettings:
     """From a `config.speculate` section; `overrides` replace fields (e.g. compare's max_new_tokens)."""
-    spec = options_lib.from_section(decode.SpecOptions, s, "speculate")
-    return options_lib.from_section(cls, s, "speculate", **{"spec": spec, **overrides})
+    auto = s.get("method") == tuner.AUTO
+    spec = options_lib.from_section(decode.SpecOptions, s, "speculate", **({"method": "chain"} if auto else {}))
+    return options_lib.from_section(cls, s, "speculate", **{"spec": spec, "auto": auto, **overrides})
 
   @property
   def name(self) -> str:
     """The drafting method in words: "chain K=5" or "tree d=5 k=8 n=48"."""
     s = self.spec
+    if self.auto:
+      return f"auto (chain K<={s.num_draft_tokens} or a small tree)"
     return s.method + (f" K={s.num_draft_tokens}" if s.method == "chain" else
                        f" d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}")
+
+  def tuned(self, target, draft, prompts: Sequence[Sequence[int]], seed: int) -> tuple[DecodeSettings,
+                                                                                         tuner.Tuning | None]:
+    """With `auto`: the settings with the tuner's choice, and the tuning; otherwise `(self, None)`."""
+    if not self.auto:
+      return self, None
+    budgets = tuple(b for b in tuner.AUTO_TREES if b.top_k <= draft.config.draft_vocab_size)
+    tuning = tuner.tune(target, draft, list(prompts)[:tuner.CALIBRATION_PROMPTS], batch_size=self.batch_size,
+                        max_new_tokens=min(self.max_new_tokens, 64), temperature=self.temperature,
+                        top_k=self.top_k, top_p=self.top_p, seed=seed,
+                        chain_lengths=range(1, self.spec.num_draft_tokens + 1), tree_budgets=budgets)
+    return dataclasses.replace(self, spec=tuning.choice.spec, auto=False), tuning
 
 
 def decode_fns(target, draft, settings: DecodeSettings, seed: int):
@@ -159,12 +178,16 @@ class Evaluation:
     accept_length_hist: `[K+1]` accepted-length counts summed over the batches.
     per_batch: per batch {seconds, new_tokens, ...} (`run_batches` or `PairedTiming.per_batch`).
     timed: the paired timing, or None when speculation ran alone.
+    settings: the settings decoded with (with `auto`, the tuner's choice).
+    tuning: the tuner's measurements and choice (`auto`), or None.
   """
 
   outputs: list
   accept_length_hist: np.ndarray
   per_batch: list
   timed: timing.PairedTiming | None = None
+  settings: DecodeSettings | None = None
+  tuning: tuner.Tuning | None = None
 
 
 def evaluate(target, draft, prompts: Sequence[Sequence[int]], settings: DecodeSettings, seed: int,
@@ -180,14 +203,18 @@ def evaluate(target, draft, prompts: Sequence[Sequence[int]], settings: DecodeSe
       (`timing.paired_speedup`, `settings.timing_repeats` pairs per batch). Otherwise one timed
       speculative call per batch.
     warmup: decode before timing when a batch's shapes are new, so compilation stays outside the clock.
+
+  With `settings.auto`, the tuner first picks the drafting setting on the first prompts (its own measurement,
+  outside the timed pairs) and every batch is then decoded with its choice.
   """
+  settings, tuning = settings.tuned(target, draft, prompts, seed)
   plain, spec = decode_fns(target, draft, settings, seed)
   if paired:
     timed = timing.paired_speedup(plain, spec, prompts, settings.batch_size, settings.timing_repeats,
                                   warmup=warmup)
-    return Evaluation(timed.spec_outputs, timed.accept_length_hist, timed.per_batch, timed)
+    return Evaluation(timed.spec_outputs, timed.accept_length_hist, timed.per_batch, timed, settings, tuning)
   outs, hist, _, per_batch = decode.run_batches(spec, prompts, settings.batch_size, warmup=warmup)
-  return Evaluation(outs, hist, per_batch)
+  return Evaluation(outs, hist, per_batch, None, settings, tuning)
 
 
 def pooled(evaluations: Sequence[Evaluation]) -> Evaluation:
@@ -212,6 +239,10 @@ def summary(ev: Evaluation) -> dict[str, Any]:
   if ev.timed is not None:
     out.update(ev.timed.summary(), ar_seconds=sum(r["plain_seconds"] for r in ev.per_batch),
                equal_to_ar=equal_to_plain(ev))
+  if ev.settings is not None:
+    out["setting"] = ev.settings.name
+  if ev.tuning is not None:
+    out["auto"] = ev.tuning.to_dict()
   return out
 
 
@@ -239,8 +270,9 @@ def table(m: dict[str, Any], settings: DecodeSettings) -> str:
           "| =AR |")
   ar = (f"{m['ar_tokens_per_s']:.1f} | {speedup_cell(m)} | {m['equal_to_ar']:.0%}"
         if "speedup" in m else "- | - | -")
+  name = m.get("setting", settings.name) + (" (auto)" if "auto" in m else "")
   lines = [head, "|" + "---|" * 9,
-           f"| {settings.name} | {settings.temperature:g} | {m['prompts']} | {m['tau']:.2f} | {acc} | "
+           f"| {name} | {settings.temperature:g} | {m['prompts']} | {m['tau']:.2f} | {acc} | "
            f"{m['tokens_per_s']:.1f} | {ar} |"]
   if "speedup" in m:
     lines.append(f"\nspeedup = spec ÷ AR tokens/s, {m['timing'].removeprefix('paired: ')}; the tok/s columns "
