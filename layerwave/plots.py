@@ -1,4 +1,4 @@
-"""Figures of the analysis stage: the entropy wave, the CKA map with compartments, the chosen layers.
+"""Figures: the entropy wave, the CKA map with compartments, the chosen layers, comparisons and learning curves.
 
 Place in the pipeline: `layer_stats.json` / `selection.json` contents (written by `layerwave.analysis.report`)
 → PNG files under `W/plots/`. Reads plain dicts and arrays only, so a notebook can redraw from the JSON files.
@@ -21,7 +21,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from layerwave import atomic  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 __all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
-           "plot_all", "plot_comparison"]
+           "plot_all", "plot_comparison", "plot_learning_curves"]
 
 
 def save_figure(fig, path: str) -> str:
@@ -210,5 +210,33 @@ def plot_comparison(path: str, summary: Mapping) -> str:
   right.legend(handles=[matplotlib.lines.Line2D([], [], color=c, marker="o", lw=1, label=k)
                         for k, c in kinds.items() if any(r["kind"] == k for r in rows)], fontsize=8)
   right.grid(alpha=0.3)
+  fig.tight_layout()
+  return save_figure(fig, path)
+
+
+def plot_learning_curves(path: str, curves: Mapping[str, Sequence[Mapping]], title: str = "") -> str:
+  """Simulated τ on held-out text against training tokens (left) and training minutes (right), per run.
+
+  Args:
+    path: the PNG to write.
+    curves: run name → its evaluations, each a mapping with `tokens`, `seconds`, `sim_tau`
+      (`dataclasses.asdict` of `layerwave.training.curves.Point`).
+    title: the figure's title.
+  """
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  for i, (name, points) in enumerate(curves.items()):
+    if not points:
+      continue
+    style = dict(marker="o", ms=3, lw=1.2, color=f"C{i % 10}", ls="-" if i < 10 else "--", label=name)
+    left.plot([p["tokens"] / 1e3 for p in points], [p["sim_tau"] for p in points], **style)
+    right.plot([p["seconds"] / 60 for p in points], [p["sim_tau"] for p in points], **style)
+  left.set_xlabel("training tokens (thousands)")
+  right.set_xlabel("training minutes (this machine)")
+  left.set_ylabel("simulated τ, held-out")
+  for ax in (left, right):
+    ax.grid(alpha=0.3)
+  right.legend(fontsize=8, loc="lower right")
+  if title:
+    fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   return save_figure(fig, path)
