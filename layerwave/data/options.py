@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from layerwave.data import distill
 from layerwave.data import tfds_builders
 
 __all__ = ["DataOptions"]
@@ -18,7 +19,8 @@ class DataOptions:
   """`config.data`.
 
   Attributes:
-    source: a source name (`sharegpt`, ...) or a path the readers accept.
+    source: a source name (`sharegpt`, ...), a path the readers accept, or `distilled:DIR` (a dataset
+      experiments/distill.py wrote with this target).
     max_length: tokens per training / analysis sequence.
     max_records: read at most this many conversations (0 = all).
     heldout_fraction: share of conversations held out (training's evaluation split).
@@ -42,7 +44,12 @@ class DataOptions:
                        "--config.data.heldout_fraction=0.05.")
 
   def build(self, tokenizer) -> tfds_builders.ChatDataset:
-    """Builds (or reuses) the chat dataset these options name."""
+    """Builds (or reuses) the chat dataset these options name.
+
+    A self-distilled source (`distilled:DIR`) must have been written by the target this tokenizer belongs
+    to (`distill.check_source`): another model's answers are refused.
+    """
+    distill.check_source(self.source, tokenizer)
     return tfds_builders.build_chat_dataset(
         tokenizer, self.source, max_length=self.max_length, heldout_fraction=self.heldout_fraction,
         split_seed=self.split_seed, source_options={"limit": self.max_records} if self.max_records else None)

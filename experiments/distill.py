@@ -1,0 +1,33 @@
+"""Self-distilled training data: the target answers the ShareGPT prompts itself (issue 12, part 1).
+
+  python experiments/distill.py --config=configs/smollm2_135m.py --workdir=D
+  python experiments/distill.py --config=configs/smollm2_135m.py:smoke --workdir=D   # 8 prompts, < 1 min
+  python experiments/train_draft.py --config=configs/smollm2_135m.py --workdir=W --config.layers=2,15,27 \
+      --config.data.source=distilled:D
+
+Writes D/dataset/ (array_record, the ShareGPT record schema), D/manifest.json (target and tokenizer
+fingerprints, sampling, prompt counts, tokens, loops cut, time) and D/chunks/ (rerun the same command to
+resume after an interruption).
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from layerwave.data import distill  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (the distilled dataset).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  distill.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

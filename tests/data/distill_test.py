@@ -1,0 +1,361 @@
+"""Tests for layerwave/data/distill.py and layerwave/data/decontaminate.py: the self-distillation stage.
+
+On the tiny chat target (tests/conftest.py: random weights, SmolLM2's tokenizer and chat template): the loop
+cutter on hand-made sequences, greedy answers equal to `layerwave.generate` on each prompt alone, resumption
+after an exception and after a SIGKILL of the launcher, evaluation prompts kept out (injected and real), the
+refusals (another target or tokenizer reading the data, a workdir with other settings, bad options, a source
+without user turns) and reading the data back through `data.source`. One run on the real SmolLM2 (4 prompts
+x 16 tokens).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import transformers
+
+import layerwave
+from layerwave import options as options_lib
+from layerwave.data import chat
+from layerwave.data import decontaminate
+from layerwave.data import distill
+from layerwave.data import sources
+from layerwave.data.options import DataOptions
+from layerwave.models import hub
+
+from tests import configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Small budgets for the tiny target (max_position_embeddings 256); its random answers fall into loops often
+# enough that a 12-token minimum makes the cutter act.
+OPTIONS = distill.DistillOptions(num_prompts=10, max_new_tokens=32, max_prompt_tokens=96, batch_size=4,
+                                 chunk_size=4, loop_min_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_chat_target_dir):
+  return layerwave.load_target(tiny_chat_target_dir)
+
+
+@pytest.fixture(scope="module")
+def records():
+  return sources.get_source("sharegpt", limit=60)
+
+
+@pytest.fixture(scope="module")
+def evals():
+  return decontaminate.eval_prompts(decontaminate.EVAL_SETS)
+
+
+@pytest.fixture(scope="module")
+def distilled(target, records, evals, tmp_path_factory):
+  """An uninterrupted run of OPTIONS: (workdir, manifest)."""
+  workdir = str(tmp_path_factory.mktemp("distilled"))
+  return workdir, distill.distill(target, OPTIONS, workdir, records=records, eval_prompts=evals)
+
+
+def _read(workdir):
+  return sources.get_source(f"distilled:{workdir}")
+
+
+# -- the loop cutter ---------------------------------------------------------------------------------
+
+PREFIX = list(range(100, 120))  # 20 distinct tokens
+
+
+@pytest.mark.parametrize("tokens,expected", [
+    (list(range(200)), None),  # nothing repeats
+    (PREFIX + [7, 8, 9] * 12, (20, 3)),  # a period-3 loop to the end: keep one block
+    (PREFIX + [5] * 40, (20, 1)),  # one token repeated
+    (PREFIX + [1, 2, 3, 4] * 10 + list(range(300, 330)), (20, 4)),  # a loop inside, then other text
+    ([5, 6] * 15, None),  # 30 tokens: below min_tokens=32
+    ([5, 6] * 16, (0, 2)),  # 32 tokens: a loop (the smallest period, not 4 or 6)
+    (PREFIX + list(range(40, 60)) * 2, None),  # a 20-token block twice: below min_repeats=3
+    (PREFIX + list(range(40, 60)) * 3, (20, 20)),  # three times: a loop
+    (PREFIX + list(range(400, 470)) * 3, None),  # a 70-token block: longer than max_period=64
+    ([9] + [1, 2, 9] * 12, (0, 3)),  # the loop starts one token earlier, as the rotation (9, 1, 2)
+    (PREFIX + [7, 8] * 3 + PREFIX + [1, 2, 3] * 11, (46, 3)),  # a short repeat first: not a loop
+])
+def test_find_loop_on_hand_made_sequences(tokens, expected):
+  assert distill.find_loop(tokens, max_period=64, min_repeats=3, min_tokens=32) == expected
+
+
+def test_cut_loop_keeps_one_block_and_loop_cutting_can_be_off():
+  tokens = PREFIX + [7, 8, 9] * 12
+  assert distill.cut_loop(tokens) == (PREFIX + [7, 8, 9], True)
+  assert distill.cut_loop(tokens, max_period=0) == (tokens, False)
+  assert distill.cut_loop(PREFIX) == (PREFIX, False)
+  # Partial repeats count: 3 x 11 + 2 tokens = 35 >= 32 covered.
+  assert distill.find_loop(PREFIX + [7, 8, 9] * 11 + [7, 8]) == (20, 3)
+
+
+# -- batching does not change greedy answers ----------------------------------------------------------
+
+def test_greedy_answers_equal_generate_on_each_prompt_alone(target, records, evals, distilled):
+  workdir, manifest = distilled
+  out = _read(workdir)
+  assert manifest["output"]["conversations"] == len(out) > 0
+  assert manifest["output"]["loops_cut"] > 0  # the cut answers are compared too
+  by_id = {r.id: r for r in records}
+  for record in out:
+    source = by_id[record.id]
+    system = [m for m in source.messages[:1] if m["role"] == "system"]
+    ids = chat.encode_prompt(target.tokenizer, system + [source.messages[len(system)]])
+    alone = layerwave.generate(target, [ids.tolist()], OPTIONS.max_new_tokens)[0]
+    assert record.messages[-1] == {"role": "assistant",
+                                   "content": distill.make_answer(alone, target, OPTIONS).text}
+    assert record.messages[:-1] == tuple(system + [source.messages[len(system)]])
+
+
+# -- resumption --------------------------------------------------------------------------------------
+
+def test_resume_after_an_interruption_gives_the_same_records(target, records, evals, distilled,
+                                                            tmp_path, monkeypatch):
+  reference = _read(distilled[0])
+  workdir = str(tmp_path / "killed")
+  real, calls, kill = distill.answer_chunk, [], [True]
+
+  def dies_in_the_second_chunk(*args, **kwargs):
+    calls.append(args[3])
+    if kill[0] and len(calls) == 2:
+      raise KeyboardInterrupt("killed")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(distill, "answer_chunk", dies_in_the_second_chunk)
+  with pytest.raises(KeyboardInterrupt):
+    distill.distill(target, OPTIONS, workdir, records=records, eval_prompts=evals)
+  kill[0] = False
+  assert sorted(os.listdir(os.path.join(workdir, "chunks"))) == ["00000.json"]
+  assert not os.path.exists(os.path.join(workdir, "manifest.json"))
+  # A write interrupted mid-file leaves only a hidden temporary file, which the rerun ignores.
+  with open(os.path.join(workdir, "chunks", ".00001.json.x1y2.tmp"), "w") as f:
+    f.write('{"chunk": 1, "recor')
+  calls.clear()
+  manifest = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=3), workdir, records=records,
+                             eval_prompts=evals)
+  assert calls == [1, 2]  # only the unfinished chunks ran again
+  again = _read(workdir)
+  assert again == reference
+  ids = [r.id for r in again]
+  assert len(ids) == len(set(ids)) == manifest["dataset"]["num_examples"]
+  prompts, _ = distill.select_prompts(records, target.tokenizer, OPTIONS, decontaminate.EvalIndex.build(evals))
+  chunks = []
+  for k in range(3):
+    with open(os.path.join(workdir, "chunks", f"{k:05d}.json")) as f:
+      chunks.append(json.load(f))
+  assert sum((c["ids"] for c in chunks), []) == [p.record.id for p in prompts]  # every prompt, once
+  assert ids == [r["id"] for c in chunks for r in c["records"]]
+  assert manifest["output"]["tokens_written"] == distilled[1]["output"]["tokens_written"]
+  # A larger num_prompts extends the finished data: the first chunks are reused, the dataset rebuilt.
+  calls.clear()
+  more = distill.distill(target, dataclasses.replace(OPTIONS, num_prompts=13), workdir, records=records,
+                         eval_prompts=evals)
+  assert calls == [2, 3] and more["dataset"]["num_examples"] == 13
+  assert _read(workdir)[:10] == reference
+
+
+def test_a_killed_launcher_resumes_without_duplicates_or_gaps(target, tiny_chat_target_dir, tmp_path):
+  workdir = str(tmp_path / "launcher")
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "distill.py"),
+         "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke",
+         "--config.model=" + tiny_chat_target_dir, "--workdir=" + workdir]
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  first = os.path.join(workdir, "chunks", "00000.json")
+  deadline = time.time() + 300
+  while not os.path.exists(first) and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.exists(first) and not os.path.exists(os.path.join(workdir, "manifest.json"))
+  subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+  smoke = configs.load("smoke").distill
+  options = options_lib.from_section(distill.DistillOptions, smoke, "distill")
+  reference = str(tmp_path / "reference")
+  distill.distill(target, options, reference)
+  resumed = _read(workdir)
+  assert resumed == _read(reference) and len(resumed) == smoke.num_prompts
+  assert len({r.id for r in resumed}) == len(resumed)
+
+
+# -- evaluation prompts stay out -----------------------------------------------------------------------
+
+def _injected(records, evals):
+  """Training records that carry evaluation prompts in disguise: {id: the eval set it must be matched to}."""
+  mtbench, humaneval, gsm8k = evals["mtbench"], evals["humaneval"], evals["gsm8k"]
+  raw_humaneval = sources.get_source("humaneval")[7].meta["prompt"]
+  base = records[0]
+  made = {
+      "inj-exact": (mtbench[0], "mtbench"),
+      "inj-inside": ("Please help me with my homework:\n\n" + gsm8k[11].upper() + "\nThanks a lot!", "gsm8k"),
+      "inj-whitespace": ("Complete this:\n" + raw_humaneval.replace("    ", "\t").replace("\n", "\n\n"),
+                         "humaneval"),
+      "inj-piece": (gsm8k[20][5:70], "gsm8k"),  # a piece of a GSM8K problem, >= 40 characters
+  }
+  out = [dataclasses.replace(base, id=i, group=i, messages=({"role": "user", "content": text},
+                                                            {"role": "assistant", "content": "x"}),
+                             turns=(text,)) for i, (text, _) in made.items()]
+  # MT-bench's second turn, hidden in the second user turn of a conversation.
+  second = mtbench[1]
+  messages = ({"role": "user", "content": "Hi there, I have a question."}, {"role": "assistant", "content": "Sure."},
+              {"role": "user", "content": "  " + second + "  "}, {"role": "assistant", "content": "ok"})
+  out.append(dataclasses.replace(base, id="inj-second-turn", group="inj-second-turn", messages=messages,
+                                 turns=(messages[0]["content"], messages[2]["content"])))
+  expected = {i: name for i, (_, name) in made.items()} | {"inj-second-turn": "mtbench"}
+  return out, expected
+
+
+def test_injected_evaluation_prompts_never_come_out(target, records, evals, tmp_path):
+  injected, expected = _injected(records, evals)
+  mixed = []
+  for k, record in enumerate(records[:12]):
+    mixed.append(record)
+    if k < len(injected):
+      mixed.append(injected[k])
+  index = decontaminate.EvalIndex.build(evals)
+  assert {r.id: index.match_record(r) for r in injected} == expected
+  options = dataclasses.replace(OPTIONS, num_prompts=0, max_prompt_tokens=200, max_new_tokens=8, chunk_size=8)
+  prompts, counts = distill.select_prompts(mixed, target.tokenizer, options, index)
+  assert not {p.record.id for p in prompts} & set(expected)
+  assert counts["eval_excluded"] == {"mtbench": 2, "gsm8k": 2, "humaneval": 1}
+  workdir = str(tmp_path / "mixed")
+  manifest = distill.distill(target, options, workdir, records=mixed, eval_prompts=evals)
+  out = _read(workdir)
+  assert not {r.id for r in out} & set(expected) and len(out) == len(prompts)
+  assert manifest["prompts"]["eval_excluded"] == counts["eval_excluded"]
+  for record in out:
+    for m in record.messages:
+      assert index.match(m["content"]) is None or m["role"] == "assistant"
+
+
+@pytest.mark.parametrize("stride", [10, pytest.param(1, marks=pytest.mark.slow)])
+def test_real_sharegpt_prompts_against_the_real_evaluation_sets(evals, stride):
+  """The ShareGPT conversations the index keeps overlap no evaluation prompt, checked by brute force on every
+  `stride`-th conversation (all of them in the slow run: about a minute)."""
+  index = decontaminate.EvalIndex.build(evals, min_chars=40)
+  kept = [r for r in sources.get_source("sharegpt") if index.match_record(r) is None]
+  assert len(kept) > 17000
+  train = {decontaminate.normalize(t) for r in kept[::stride] for t in list(r.turns)}
+  train.discard("")
+  eval_texts = set(index.texts)
+  assert not train & eval_texts
+  joined_eval = "\n".join(eval_texts)
+  assert not [t for t in train if len(t) >= 40 and t in joined_eval]
+  joined_train = "\n".join(train)
+  assert not [e for e in eval_texts if len(e) >= 40 and e in joined_train]
+
+
+# -- refusals and bad inputs ---------------------------------------------------------------------------
+
+def test_reading_back_through_data_source_and_the_target_check(target, distilled, tiny_chat_target_dir,
+                                                               tmp_path):
+  workdir, manifest = distilled
+  for source in (f"distilled:{workdir}", workdir):
+    dataset = DataOptions(source=source, max_length=256, heldout_fraction=0.0).build(target.tokenizer)
+    assert dataset.num_examples["train"] == manifest["dataset"]["num_examples"]
+    assert dataset.metadata["num_records"] == manifest["dataset"]["num_examples"]
+  assert [r.id for r in sources.get_source("distilled", path=workdir, limit=3)] == [r.id for r in _read(workdir)[:3]]
+  # The same tokenizer, other weights: another target.
+  other = str(tmp_path / "other_target")
+  shutil.copytree(tiny_chat_target_dir, other)
+  with open(os.path.join(other, "model.safetensors"), "r+b") as f:
+    f.seek(-4, os.SEEK_END)
+    f.write(b"\x01\x02\x03\x04")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(other)
+  with pytest.raises(ValueError, match="answers of another target .* Distil the data with this model"):
+    DataOptions(source=f"distilled:{workdir}", max_length=128).build(tokenizer)
+  tokenizer.chat_template = tokenizer.chat_template.replace("SmolLM", "OtherLM")
+  with pytest.raises(ValueError, match="distilled with another tokenizer"):
+    DataOptions(source=f"distilled:{workdir}", max_length=128).build(tokenizer)
+
+
+def test_unfinished_and_missing_datasets_are_named(tmp_path):
+  with pytest.raises(sources.SourceError, match="does not exist"):
+    sources.get_source(f"distilled:{tmp_path / 'nothing'}")
+  os.makedirs(tmp_path / "half" / "chunks")
+  with pytest.raises(sources.SourceError, match="no finished distilled dataset .* experiments/distill.py"):
+    sources.get_source(f"distilled:{tmp_path / 'half'}")
+
+
+def test_a_workdir_with_other_settings_is_refused(target, records, evals, distilled):
+  workdir, manifest = distilled
+  with pytest.raises(ValueError, match="other settings .*differing: temperature.* new --workdir"):
+    distill.distill(target, dataclasses.replace(OPTIONS, temperature=0.7), workdir, records=records,
+                    eval_prompts=evals)
+  # Speed settings may change: the finished data is reused as it is.
+  same = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=2), workdir, records=records,
+                         eval_prompts=evals)
+  assert same == manifest
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("max_new_tokens", 0, r"distill.max_new_tokens must be >= 1 .*--config.distill.max_new_tokens=512"),
+    ("turns", 0, "distill.turns must be >= 1"),
+    ("temperature", -1.0, "temperature must be >= 0"),
+    ("exclude", "mtbench,nope", "unknown evaluation sets"),
+    ("max_new_tokens", "many", "distill.max_new_tokens must be an integer"),
+])
+def test_bad_options_name_the_field(field, value, match):
+  section = configs.load("smoke").distill.to_dict()
+  section[field] = value
+  with pytest.raises(ValueError, match=match):
+    options_lib.from_section(distill.DistillOptions, section, "distill")
+
+
+def test_a_source_without_user_turns_is_refused(target, evals, tmp_path):
+  text = sources.get_source("text", limit=5)
+  with pytest.raises(sources.SourceError, match="has no user turns .*--config.distill.source=sharegpt"):
+    distill.distill(target, dataclasses.replace(OPTIONS, source="text"), str(tmp_path / "t"), records=text,
+                    eval_prompts=evals)
+
+
+def test_prompt_and_answer_budget_must_fit_the_target(target, tmp_path):
+  with pytest.raises(ValueError, match="exceeds the target's max_position_embeddings"):
+    distill.distill(target, dataclasses.replace(OPTIONS, max_prompt_tokens=200, max_new_tokens=100),
+                    str(tmp_path / "w"))
+
+
+# -- multi-turn -----------------------------------------------------------------------------------------
+
+def test_later_turns_follow_the_regenerated_history(target, records, evals, tmp_path):
+  options = dataclasses.replace(OPTIONS, turns=2, num_prompts=6, max_new_tokens=8, max_prompt_tokens=160)
+  manifest = distill.distill(target, options, str(tmp_path / "two"), records=records, eval_prompts=evals)
+  out = _read(str(tmp_path / "two"))
+  by_id = {r.id: r for r in records}
+  two = [r for r in out if sum(m["role"] == "assistant" for m in r.messages) == 2]
+  assert two and manifest["output"]["assistant_turns"] == sum(
+      sum(m["role"] == "assistant" for m in r.messages) for r in out)
+  for record in two:
+    user, first, second_user, second = [m for m in record.messages if m["role"] != "system"]
+    assert second_user["content"] == by_id[record.id].turns[1]
+    system = [m for m in record.messages[:1] if m["role"] == "system"]
+    ids = chat.encode_prompt(target.tokenizer, system + [user, first, second_user])
+    alone = layerwave.generate(target, [ids.tolist()], options.max_new_tokens)[0]
+    assert second["content"] == distill.make_answer(alone, target, options).text
+
+
+# -- the real target ------------------------------------------------------------------------------------
+
+def test_real_smollm2_answers_four_prompts(tmp_path):
+  target = layerwave.load_target(hub.resolve("smollm2-135m-instruct"))
+  asks = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
+          "Write one sentence about the sea."]
+  records = [sources.Record(id=f"q{i}", source="test", messages=({"role": "user", "content": q},), turns=(q,))
+             for i, q in enumerate(asks)]
+  options = distill.DistillOptions(num_prompts=4, max_new_tokens=16, max_prompt_tokens=64, batch_size=4,
+                                   chunk_size=4, exclude="")
+  manifest = distill.distill(target, options, str(tmp_path / "real"), records=records, eval_prompts={})
+  out = _read(str(tmp_path / "real"))
+  assert [r.id for r in out] == ["q0", "q1", "q2", "q3"]
+  assert "Paris" in out[0].messages[-1]["content"]
+  assert manifest["target"]["num_layers"] == 30 and manifest["output"]["generated_tokens"] <= 4 * 16
+  assert 0 < manifest["output"]["tokens_written"] <= manifest["output"]["generated_tokens"]
+  assert np.isfinite(manifest["time"]["generated_tokens_per_s"])
