@@ -1,8 +1,13 @@
-"""One online training step of the draft: frozen target forward → TTT loss → optax update, all jitted.
+"""One training step of the draft, online or offline: TTT loss → optax update, all jitted.
 
-The target runs inside the step (no gradient) to produce the selected layers' hidden states and its
-logits, so no hidden state is ever stored (SpecForge's offline recipe needs terabytes for this). The batch
-is sharded over the mesh's `'data'` axis and the parameters replicated; XLA inserts the gradient all-reduce.
+Online (`train_step`, `eval_step`): the frozen target runs inside the step (no gradient) to produce the
+selected layers' hidden states and its logits, so no hidden state is ever stored. Offline
+(`train_step_offline`, `eval_step_offline`): no target in the step; the batch carries what a feature store
+(`layerwave.training.features`) holds: the selected layers' hidden states, the target's final-norm hidden
+state h_L and its full-vocabulary argmax, from which `losses.offline_targets` recomputes the draft-vocabulary
+targets with the target's LM-head rows of the draft vocabulary (`head_rows`). On identical data both steps
+compute the same loss and gradients. The batch is sharded over the mesh's `'data'` axis and the parameters
+replicated; XLA inserts the gradient all-reduce.
 
 The draft is split into three pytrees at the jit boundary: trainable `Param`s (in `TrainState`), the
 vocabulary tables (`VocabMap`, saved with the draft) and the frozen target embedding (`Frozen`, never saved:
@@ -107,7 +112,28 @@ def _metrics(loss, aux):
           "sim_tau": losses.simulated_tau(aux["acc_j"])}
 
 
+def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only):
+  tokens, attn = batch["input_ids"], batch["attention_mask"]
+  draft = nnx.merge(draft_graphdef, params, vocab, embed)
+  # Stored features may be bfloat16 on the host and in transfer; the draft reads float32.
+  features = batch["features"].astype(jnp.float32)
+  logp, in_vocab = losses.offline_targets(batch["final"].astype(jnp.float32), head_rows, batch["argmax"],
+                                          draft)
+  loss_mask = batch["assistant_mask"] if assistant_only else attn
+  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
+                         decay=decay)
+
+
+def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
+  updates, opt_state = optimizer.build().update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = _metrics(loss, aux)
+  metrics["grad_norm"] = optax.global_norm(grads)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
 TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only")
+TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only")
 
 
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
@@ -117,11 +143,25 @@ def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_g
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
                                target_params, batch, steps, decay, assistant_only)
-  updates, opt_state = optimizer.build().update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = _metrics(loss, aux)
-  metrics["grad_norm"] = optax.global_norm(grads)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return _update(state, optimizer, loss, aux, grads)
+
+
+@functools.partial(jax.jit, static_argnames=TRAIN_STEP_OFFLINE_STATIC, donate_argnames=("state",))
+def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, draft_graphdef,
+                       optimizer: OptimizerSettings, steps, decay, assistant_only):
+  """One optimisation step from stored features (no target). Returns `(new_state, metrics)`.
+
+  Args:
+    state, vocab, embed: as `train_step`.
+    head_rows: `[D, V_d]` the target's LM head restricted to the draft vocabulary.
+    batch: `input_ids`, `attention_mask`, `assistant_mask` `[B, T]`; `features` `[k, B, T, D]` (the draft's
+      layers, any float dtype); `final` `[B, T, D]` h_L; `argmax` `[B, T]` int32 (a `FeatureBatch`).
+    draft_graphdef, optimizer, steps, decay, assistant_only: as `train_step`.
+  """
+  grad_fn = jax.value_and_grad(_offline_loss_fn, has_aux=True)
+  (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
+                               assistant_only)
+  return _update(state, optimizer, loss, aux, grads)
 
 
 @functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "steps", "decay",
@@ -131,4 +171,13 @@ def eval_step(params, vocab, embed, target_params, batch, *, draft_graphdef, tar
   """Held-out loss and per-step top-1 agreement (no update)."""
   loss, aux = _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch,
                        steps, decay, assistant_only)
+  return _metrics(loss, aux)
+
+
+@functools.partial(jax.jit, static_argnames=("draft_graphdef", "steps", "decay", "assistant_only"))
+def eval_step_offline(params, vocab, embed, head_rows, batch, *, draft_graphdef, steps, decay,
+                      assistant_only):
+  """`eval_step` from stored features (the batch and `head_rows` as `train_step_offline`'s)."""
+  loss, aux = _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
+                               assistant_only)
   return _metrics(loss, aux)
