@@ -127,6 +127,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.eval_every = 250
   c.train.eval_batches = 8
   c.train.checkpoint_every = 250
+  c.train.features = ""  # a feature store (experiments/extract_features.py): train offline, no target in the step
+
+  # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
+  # The target runs over the chat dataset of `data` once; its features go to a store that
+  # `--config.train.features=DIR` trains from (any layer set among the stored depths, many drafts).
+  c.features = ml_collections.ConfigDict()
+  c.features.dir = ""  # where the store is written
+  c.features.depths = ""  # "" = the layers of `layers` (else every set in `selection.path`), "2,15,27" or "all"
+  c.features.dtype = "bfloat16"  # or "float32" (twice the disk); the final-norm state h_L is always stored
+  c.features.shard_sequences = 256  # sequences per shard
+  c.features.batch_size = 8  # sequences per forward (divisible by the mesh's data axis)
+  c.features.splits = "train,heldout"
 
   # -- speculative decoding (experiments/speculate.py) --------------------------------------------
   c.draft = ""  # a training workdir (latest checkpoint), or "random" for an untrained draft (smoke runs)

@@ -1,0 +1,410 @@
+"""Feature extraction: the frozen target runs over the chat dataset once and its features go to a store.
+
+Place in the pipeline: after the data stage (the chat dataset of `config.data`) and before offline draft
+training (`train.features=DIR`), which then trains any number of drafts on the stored depths without running
+the target (`layerwave.training.step.train_step_offline`). `run(config)` is the stage (called by
+experiments/extract_features.py); `extract(target, dataset, out_dir, depths=...)` the library call.
+
+Per sequence only the real tokens are stored (ragged, with offsets: no padding on disk): the hidden states of
+the chosen depths, h_L (the final-norm state, from which the training step recomputes the draft-vocabulary
+logits as h_L @ head[:, draft ids]), the target's full-vocabulary argmax, the input ids and the assistant
+mask (format: `store`). The forward is one jitted function with the batch sharded over the mesh's `'data'`
+axis, as in training.
+
+Before writing, the store's size is estimated and printed, and the extraction refuses to start when it would
+not fit on the disk. It resumes: finished shards are skipped (a shard is written under a temporary name and
+renamed), and a disk that fills mid-write removes the partial shard and stops with one message. Multi-host:
+every process extracts its own slice of every split (sequences p, p + P, p + 2P, ...) in lock step, writes its
+own shards (the process index is in their names) and a manifest part; the reader merges the parts. On a TPU
+pod this needs a filesystem all hosts share (README, "Devices").
+
+Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import os
+import shutil
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from layerwave import atomic
+from layerwave import options as options_lib
+from layerwave import selection as selection_lib
+from layerwave import sharding
+from layerwave.data import batching
+from layerwave.data import tfds_builders
+from layerwave.data.options import DataOptions
+from layerwave.inference import Target, load_target, positions_from_mask, target_fingerprint
+from layerwave.models.kv_cache import causal_mask
+from layerwave.training.features import store as store_lib
+
+__all__ = ["FeatureOptions", "extract", "run"]
+
+SPLITS = tfds_builders.SPLITS
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureOptions:
+  """`config.features`: where and what experiments/extract_features.py stores.
+
+  Attributes:
+    dir: the store directory (training reads it with `--config.train.features=DIR`).
+    depths: "" = the layers of `config.layers` (or the union of every set in `selection.path`), a list
+      "2,15,27", or "all" (0..L). L is always stored (h_L feeds the loss).
+    dtype: "bfloat16" (default, half the disk) or "float32".
+    shard_sequences: sequences per shard file.
+    batch_size: global batch of the extraction forward (divisible by the mesh's data axis).
+    splits: which splits of the chat dataset, "train,heldout".
+  """
+
+  dir: str = ""
+  depths: str = ""
+  dtype: str = "bfloat16"
+  shard_sequences: int = 256
+  batch_size: int = 8
+  splits: str = "train,heldout"
+
+  def __post_init__(self):
+    if self.dtype not in store_lib.DTYPES:
+      raise ValueError(f"features.dtype must be one of {sorted(store_lib.DTYPES)}, got {self.dtype!r}; set "
+                       "--config.features.dtype=bfloat16.")
+    for name in ("shard_sequences", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"features.{name} must be >= 1, got {getattr(self, name)}.")
+    bad = [s for s in self.split_names if s not in SPLITS]
+    if bad or not self.split_names:
+      raise ValueError(f"features.splits must name splits among {list(SPLITS)}, got {self.splits!r}.")
+
+  @property
+  def split_names(self) -> tuple[str, ...]:
+    return tuple(s.strip() for s in self.splits.split(",") if s.strip())
+
+
+def _gib(n: float) -> str:
+  """A byte count for people: '3.21 GiB', '412.0 MiB', '48.3 KiB'."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+    if n >= size:
+      return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+  return f"{n / 2**10:.1f} KiB"
+
+
+def target_dtype_name(target: Target) -> str:
+  """The target's compute dtype as its config name ('float32', 'bfloat16', ...)."""
+  return jnp.dtype(target.params["embed_tokens"]["embedding"][...].dtype).name
+
+
+@functools.lru_cache(maxsize=8)
+def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype) -> Any:
+  """The jitted extraction forward for one mesh / depth set: (hidden, final, argmax), batch over 'data'."""
+  rows, feats = NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))
+
+  def fn(params, tokens, mask):
+    model = nnx.merge(graphdef, params)
+    out = model(tokens, positions_from_mask(mask), causal_mask(mask), return_hidden_states=bool(hidden_layers),
+                hidden_layers=hidden_layers or None)
+    b, t = tokens.shape
+    hidden = (out.hidden_states.astype(dtype) if hidden_layers else
+              jnp.zeros((0, b, t, out.last_hidden.shape[-1]), dtype))
+    return hidden, out.last_hidden.astype(dtype), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+
+  return jax.jit(fn, out_shardings=(feats, rows, rows))
+
+
+def _host_local(x: jax.Array, axis: int) -> np.ndarray:
+  """This process's rows of a global array sharded over 'data' along `axis`."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  pieces = {}
+  for shard in x.addressable_shards:
+    pieces.setdefault(shard.index[axis].start or 0, shard.data)
+  return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)], axis=axis)
+
+
+def _all_agree(flag: bool) -> bool:
+  """True when every process says True (one process: the flag itself)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.all(multihost_utils.process_allgather(np.asarray([flag]))))
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def make_header(target: Target, dataset: tfds_builders.ChatDataset, *, depths: Sequence[int], dtype: str,
+                shard_sequences: int, process_count: int, data: Mapping[str, Any] | None,
+                model: str = "") -> dict[str, Any]:
+  """The store's manifest header (`store.CONTRACT` plus what is informational)."""
+  c = target.config
+  all_depths = sorted(set(depths) | {c.num_layers})
+  return {
+      "format_version": store_lib.FORMAT_VERSION,
+      "target_fingerprint": target_fingerprint(target),
+      "tokenizer_fingerprint": tfds_builders.tokenizer_fingerprint(target.tokenizer),
+      "target": {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                 "dtype": target_dtype_name(target)},
+      "model": model or target.path or "",
+      "dataset": dataset.name,
+      "data": dict(data or {}),
+      "dataset_metadata": {k: v for k, v in dict(dataset.metadata).items() if k != "tokenizer_name"},
+      "depths": all_depths,
+      "stored_depths": [d for d in all_depths if d != c.num_layers],
+      "dtype": dtype,
+      "hidden_size": c.hidden_size,
+      "seq_len": int(dataset.metadata["max_length"]),
+      "shard_sequences": int(shard_sequences),
+      "process_count": int(process_count),
+      "bytes_per_token": store_lib.bytes_per_token(len(all_depths) - 1, c.hidden_size, dtype),
+      "complete": False,
+  }
+
+
+def _estimate(dataset, splits: Sequence[str], header: Mapping[str, Any]) -> tuple[int, int]:
+  """(tokens, bytes) of the whole store for `splits` (8 + 8 bytes of offsets and index per sequence)."""
+  tokens = sequences = 0
+  for split in splits:
+    n = dataset.num_examples.get(split, 0)
+    tokens += int(dataset.metadata.get(f"{split}_tokens", n * header["seq_len"]))  # else an upper bound
+    sequences += n
+  return tokens, tokens * header["bytes_per_token"] + 16 * sequences
+
+
+def _fetch(source, indices: np.ndarray) -> list[Mapping[str, Any]]:
+  if not len(indices):
+    return []
+  getitems = getattr(source, "__getitems__", None)
+  if getitems is not None:
+    return list(getitems([int(i) for i in indices]))
+  return [source[int(i)] for i in indices]
+
+
+def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *, depths: Sequence[int],
+            dtype: str = "bfloat16", splits: Sequence[str] = SPLITS, batch_size: int = 8,
+            shard_sequences: int = 256, data: Mapping[str, Any] | None = None, model: str = "",
+            process_index: int | None = None, process_count: int | None = None,
+            log_every_s: float = 30.0) -> dict[str, Any]:
+  """Runs the frozen target over `dataset` once and writes (or completes) a feature store at `out_dir`.
+
+  Args:
+    target: the target (on its mesh; the batch is sharded over its `'data'` axis).
+    dataset: the chat dataset (`DataOptions.build`); sequences are its examples, T = its max_length.
+    out_dir: the store directory (created; an existing store with the same contract is resumed).
+    depths: hidden-state depths to store (HF convention); L (h_L) is always added.
+    dtype: "bfloat16" or "float32".
+    splits: the dataset's splits to extract (absent ones are skipped).
+    batch_size: global batch of the forward (process_count * local rows).
+    shard_sequences: sequences per shard.
+    data: the data options the dataset was built from (recorded; training checks its own against them).
+    model: the target's spec, recorded for people.
+    process_index, process_count: this process and their number; default jax's.
+    log_every_s: progress log interval.
+
+  Returns:
+    A summary: the header, per-split counts of this process, tokens/s of this run and the store's bytes.
+
+  Raises:
+    store.StoreError: `out_dir` holds a store with another contract, or bad depths.
+    OSError: (ENOSPC) the store would not fit on the disk (before writing), or the disk filled.
+  """
+  p = jax.process_index() if process_index is None else int(process_index)
+  n_proc = jax.process_count() if process_count is None else int(process_count)
+  c = target.config
+  depths = store_lib.parse_depths(list(depths), c.num_layers)
+  if target.tokenizer is None:
+    raise ValueError("The target has no tokenizer: a feature store records the tokenizer's fingerprint.")
+  if batch_size % n_proc:
+    raise ValueError(f"features.batch_size={batch_size} must be divisible by the process count {n_proc}.")
+  local = batch_size // n_proc
+  sharding.check_batch(target.mesh, local * jax.process_count())
+  header = make_header(target, dataset, depths=depths, dtype=dtype, shard_sequences=shard_sequences,
+                       process_count=n_proc, data=data, model=model)
+  os.makedirs(out_dir, exist_ok=True)
+  manifest = os.path.join(out_dir, store_lib.MANIFEST)
+  if os.path.exists(manifest):
+    old = store_lib.read_header(out_dir)
+    differ = store_lib.contract_mismatch(old, header)
+    if differ:
+      raise store_lib.StoreError(
+          f"{out_dir} holds a feature store with other settings (differing: {', '.join(differ)}). Resume it "
+          "with the same config, or extract into a new --config.features.dir (or delete it).")
+  elif p == 0 or jax.process_count() == 1:
+    atomic.write_json(manifest, header)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("layerwave_features_header")
+  for name in os.listdir(out_dir):  # this process's leftovers of a killed write
+    if name.startswith(store_lib.tmp_prefix(p)):
+      shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+  splits = [s for s in splits if dataset.num_examples.get(s)]
+  total_tokens, total_bytes = _estimate(dataset, splits, header)
+  done_bytes = sum(_dir_bytes(os.path.join(out_dir, n)) for n in os.listdir(out_dir)
+                   if any(n.startswith(s + "-p") for s in splits))
+  free = shutil.disk_usage(out_dir).free
+  need = max(total_bytes - done_bytes, 0)
+  logging.info("Feature store %s: ~%s for %d tokens (%d bytes/token: %d depths + h_L x D=%d in %s, ids, "
+               "masks); %s already written, %s free.", out_dir, _gib(total_bytes), total_tokens,
+               header["bytes_per_token"], len(header["stored_depths"]), c.hidden_size, dtype, _gib(done_bytes),
+               _gib(free))
+  if need > free:
+    raise OSError(errno.ENOSPC,
+                  f"The feature store at {out_dir} needs ~{_gib(need)} more ({total_tokens} tokens x "
+                  f"{header['bytes_per_token']} bytes/token for depths {header['depths']} in {dtype}), but only "
+                  f"{_gib(free)} are free there. Free space, store fewer depths (--config.features.depths) or "
+                  "bfloat16, or train online without a store (leave train.features unset).")
+
+  fn = _forward(target.mesh, target.graphdef, tuple(header["stored_depths"]),
+                jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+  rows = NamedSharding(target.mesh, P("data"))
+  pad_id = int(target.tokenizer.pad_token_id or 0)
+  seq_len = header["seq_len"]
+  parts: dict[str, list[dict[str, int | str]]] = {}
+  part_path = os.path.join(out_dir, store_lib.part_name(p))
+  if os.path.exists(part_path):
+    with open(part_path) as f:
+      parts.update(json.load(f)["splits"])
+  tic, computed, finished = time.perf_counter(), 0, 0
+  last_log = tic
+  for split in splits:
+    source = dataset.source(split)
+    n = len(source)
+    mine = np.arange(p, n, n_proc, dtype=np.int64)
+    largest = len(range(0, n, n_proc))  # process 0's slice: every process runs as many batches
+    num_shards = -(-largest // shard_sequences)
+    collator = batching.BatchIterator(source, batch_size=local, seq_len=seq_len, pad_id=pad_id,
+                                      shuffle=False, drop_remainder=False, process_index=0, process_count=1)
+    shards = []
+    for s in range(num_shards):
+      name = store_lib.shard_name(split, p, s)
+      path = os.path.join(out_dir, name)
+      seqs = mine[s * shard_sequences:(s + 1) * shard_sequences]
+      exists = os.path.isdir(path)
+      if exists:
+        offsets = np.load(os.path.join(path, "offsets.npy"))
+        shards.append({"name": name, "sequences": int(offsets.shape[0] - 1), "tokens": int(offsets[-1])})
+        finished += int(offsets[-1])
+      if _all_agree(exists or not len(seqs)):
+        continue
+      rows_in_shard = min(shard_sequences, largest - s * shard_sequences)
+      pieces = {k: [] for k in ("hidden", "final", "argmax", "input_ids", "assistant_mask")}
+      lengths, index = [], []
+      for start in range(0, rows_in_shard, local):
+        idx = seqs[start:start + local]
+        batch = collator.collate(_fetch(source, idx), idx, batching.Position())
+        tokens = jax.make_array_from_process_local_data(rows, batch.input_ids)
+        mask = jax.make_array_from_process_local_data(rows, batch.attention_mask)
+        hidden, final, argmax = fn(target.params, tokens, mask)
+        hidden, final, argmax = _host_local(hidden, 1), _host_local(final, 0), _host_local(argmax, 0)
+        for r in range(len(idx)):
+          m = int(batch.attention_mask[r].sum())
+          pieces["hidden"].append(hidden[:, r, :m])
+          pieces["final"].append(final[r, :m])
+          pieces["argmax"].append(argmax[r, :m])
+          pieces["input_ids"].append(batch.input_ids[r, :m])
+          pieces["assistant_mask"].append(batch.assistant_mask[r, :m].astype(np.uint8))
+          lengths.append(m)
+          index.append(int(idx[r]))
+        computed += int(batch.attention_mask.sum())
+        now = time.perf_counter()
+        if now - last_log >= log_every_s:
+          last_log = now
+          rate = computed / (now - tic)
+          left = max(total_tokens // n_proc - finished - computed, 0)
+          logging.info("extract %s: shard %d/%d, %d tokens this run, %.0f tokens/s, ETA %.0f s", split, s + 1,
+                       num_shards, computed, rate, left / max(rate, 1e-9))
+      if exists or not len(seqs):
+        continue  # another process needed this shard; this one had it already
+      storage = store_lib.DTYPES[dtype][1]
+      arrays = {
+          "hidden": np.concatenate(pieces["hidden"], axis=1).view(storage),
+          "final": np.concatenate(pieces["final"], axis=0).view(storage),
+          "argmax": np.concatenate(pieces["argmax"]).astype(np.int32),
+          "input_ids": np.concatenate(pieces["input_ids"]).astype(np.int32),
+          "assistant_mask": np.concatenate(pieces["assistant_mask"]),
+          "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+          "index": np.asarray(index, np.int64),
+      }
+      try:
+        store_lib.write_shard(out_dir, name, arrays, p)
+      except OSError as e:
+        if e.errno != errno.ENOSPC:
+          raise
+        raise OSError(errno.ENOSPC,
+                      f"The disk filled while writing shard {name} of the feature store at {out_dir} "
+                      f"({_gib(shutil.disk_usage(out_dir).free)} free now). The partial shard was removed; "
+                      f"the {len(shards)} finished shards of {split!r} are kept and a rerun resumes after "
+                      "them. Free space, store fewer depths or bfloat16, or train online (leave "
+                      "train.features unset).") from e
+      shards.append({"name": name, "sequences": len(lengths), "tokens": int(sum(lengths))})
+      logging.info("extract %s: wrote %s (%d sequences, %d tokens); %d tokens/s", split, name, len(lengths),
+                   sum(lengths), computed / max(time.perf_counter() - tic, 1e-9))
+    parts[split] = shards
+  atomic.write_json(part_path, {"process_index": p, "splits": parts})
+  seconds = time.perf_counter() - tic
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("layerwave_features_parts")
+  if (p == 0 or jax.process_count() == 1) and all(
+      os.path.exists(os.path.join(out_dir, store_lib.part_name(i))) for i in range(n_proc)):
+    _write_merged(out_dir, header)
+  return {"header": header, "splits": parts, "tokens_computed": computed, "seconds": seconds,
+          "tokens_per_s": computed / max(seconds, 1e-9), "bytes": _dir_bytes(out_dir)}
+
+
+def _write_merged(out_dir: str, header: Mapping[str, Any]) -> None:
+  """manifest.json with the merged per-split counts and shards (what `store.open_store` reads, checked)."""
+  store = store_lib.open_store(out_dir)
+  splits = {}
+  for split, shards in store.splits.items():
+    sequences, tokens = store.counts(split)
+    splits[split] = {"sequences": sequences, "tokens": tokens, "shards": [s.name for s in shards]}
+  atomic.write_json(os.path.join(out_dir, store_lib.MANIFEST),
+                    {**header, "complete": True, "splits": splits, "bytes": _dir_bytes(out_dir)})
+
+
+def default_depths(config, num_layers: int) -> tuple[int, ...]:
+  """The layers the user will train: `config.layers`, else the union of every set in `selection.path`."""
+  if config.layers:
+    return selection_lib.parse_layer_ids(config.layers)
+  path = config.selection.path
+  if path and os.path.exists(path):
+    with open(path) as f:
+      content = json.load(f)
+    if isinstance(content, dict) and "ids" in content:
+      records = [content]
+    elif isinstance(content, dict):
+      records = list(content.get("selections", content).values())
+    else:
+      records = list(content)
+    return tuple(sorted({int(i) for r in records for i in r["ids"]}))
+  return ()
+
+
+def run(config) -> dict[str, Any]:
+  """The extraction stage: `config.features` into `features.dir`, from the chat dataset of `config.data`."""
+  opts = options_lib.from_section(FeatureOptions, config.features, "features")
+  data = options_lib.from_section(DataOptions, config.data, "data")
+  if not opts.dir:
+    raise ValueError("Give the store's directory: --config.features.dir=DIR.")
+  sharding.maybe_initialize_distributed(config.distributed)
+  mesh = sharding.make_mesh(config.mesh)
+  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  if target.tokenizer is None:
+    raise ValueError(f"{config.model} has no tokenizer; the chat data cannot be tokenised.")
+  depths = store_lib.parse_depths(opts.depths, target.config.num_layers,
+                                  default=default_depths(config, target.config.num_layers))
+  dataset = data.build(target.tokenizer)
+  return extract(target, dataset, opts.dir, depths=depths, dtype=opts.dtype, splits=opts.split_names,
+                 batch_size=opts.batch_size, shard_sequences=opts.shard_sequences,
+                 data=dataclasses.asdict(data), model=config.model)
