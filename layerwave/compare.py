@@ -272,8 +272,10 @@ def fingerprint(config) -> tuple[str, dict]:
     d.get("compare", {}).pop(key, None)
   for key in _RUN_LENGTH:
     d.get("train", {}).pop(key, None)
-  for key in ("draft", "layers", "selection", "seed", "distill"):  # distill: another stage's section
+  for key in ("draft", "layers", "selection", "seed", "distill", "features"):  # other stages' sections
     d.pop(key, None)
+  if not d.get("train", {}).get("features"):  # online cells: workdirs from before the field resume
+    d.get("train", {}).pop("features", None)
   if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
     d.get("speculate", {}).pop("timing_repeats", None)
   return options_lib.fingerprint(d), d

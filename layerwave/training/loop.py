@@ -5,11 +5,22 @@ data-parallel TTT training with periodic held-out evaluation → orbax checkpoin
 (params, optimizer state, step, data position, vocabulary, selection record, draft config). Rerunning with
 the same workdir resumes exactly where the last checkpoint left off; a different config is refused.
 
+Offline (`train.features=DIR`): the same loop reads a feature store (`layerwave.training.features`, written
+by experiments/extract_features.py) instead of the chat dataset, and the step runs no target
+(`step.train_step_offline`); the target is still loaded, for its embedding, its LM-head rows of the draft
+vocabulary and the store's checks (another target, tokenizer, missing layer, other data: refused before
+training). The vocabulary is counted from the store's tokens and the held-out evaluation reads its heldout
+split. The run lasts `train.num_steps` steps whichever path: the stream repeats the store's train split in
+freshly shuffled epochs as often as that takes (the log names the number of epochs), so E epochs are
+`num_steps = E * steps_per_epoch`. With the same seed the offline stream visits the same sequences in the same
+order as the online one over the dataset the store was extracted from.
+
 Legend (`layerwave.axes`): D target width, V target vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -28,8 +39,9 @@ from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
-from layerwave.inference import Target, load_target
+from layerwave.inference import Target, load_target, target_fingerprint
 from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import features as features_lib
 from layerwave.training import losses
 from layerwave.training import restore
 from layerwave.training import step as step_lib
@@ -86,6 +98,10 @@ def config_fingerprint(config) -> str:
   d.pop("speculate", None)
   d.pop("analysis", None)
   d.pop("distill", None)  # another stage's section (experiments/distill.py); training reads its output by path
+  d.pop("features", None)  # the extraction stage's section; training reads the store by path
+  # Where the features come from is checked apart (the store's own fingerprint, in the checkpoint meta), so
+  # a moved store still resumes and online workdirs from before the field resume.
+  d.get("train", {}).pop("features", None)
   return options_lib.fingerprint(d)
 
 
@@ -100,6 +116,30 @@ def load_data(data: DataOptions, target: Target):
                      "raise data.max_length or use more records.")
   heldout = dataset.source("heldout") if dataset.num_examples.get("heldout") else None
   return dataset, dataset.source("train"), heldout
+
+
+def load_store(path: str, data: DataOptions, target: Target, record: selection_lib.LayerSelection,
+               target_dtype: str):
+  """Opens and checks a feature store for this run; returns (store, train split, held-out split or None).
+
+  Raises:
+    features.StoreError: the store cannot stand in for the target here (see `features.check_for_training`).
+  """
+  store = features_lib.open_store(path)
+  features_lib.check_for_training(
+      store, target_config=target.config, target_dtype=target_dtype,
+      target_fingerprint=target_fingerprint(target),
+      tokenizer_fingerprint=data_lib.tokenizer_fingerprint(target.tokenizer), layer_ids=record.ids,
+      data=dataclasses.asdict(data))
+  heldout = store.split("heldout", data.max_length) if store.counts("heldout")[0] else None
+  return store, store.split("train", data.max_length), heldout
+
+
+def target_head(target: Target) -> jax.Array:
+  """The target's LM head as `[D, V]` (the transposed embedding when tied)."""
+  tp = target.params
+  return (tp["embed_tokens"]["embedding"][...].T if target.config.tie_word_embeddings
+          else tp["lm_head"]["kernel"][...])
 
 
 def new_draft(model: DraftModelOptions, train: TrainOptions, seed: int, target: Target,
@@ -134,8 +174,7 @@ def init_head_from_target(draft: Draft, target: Target) -> None:
   if draft.config.model.hidden_size != target.config.hidden_size:
     raise ValueError("draft_model.init_from_target needs the draft width to equal the target's.")
   tp = target.params
-  head = (tp["embed_tokens"]["embedding"][...].T if target.config.tie_word_embeddings
-          else tp["lm_head"]["kernel"][...])  # [D, V]
+  head = target_head(target)  # [D, V]
   draft.lm_head.kernel[...] = jnp.take(head, draft.draft_token_ids(), axis=1).astype(
       draft.lm_head.kernel.dtype)
   draft.norm.scale[...] = tp["norm"]["scale"][...].astype(draft.norm.scale.dtype)
@@ -145,19 +184,13 @@ def _replicate(tree, mesh):
   return jax.device_put(tree, sharding.replicated(mesh))
 
 
-def _evaluate(source, train: TrainOptions, seq_len: int, target, state, vocab, embed, graphdef) -> dict:
-  it = data_lib.BatchIterator(source, batch_size=train.batch_size, seq_len=seq_len,
-                              pad_id=int(target.tokenizer.pad_token_id or 0), shuffle=False,
-                              drop_remainder=False, num_epochs=1)
+def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
+  """Held-out metrics pooled over at most `eval_batches` batches; `eval_fn(batch)` → a step's metrics."""
   sums, n = None, 0
-  for i, batch in enumerate(it):
-    if i >= train.eval_batches:
+  for i, batch in enumerate(batches):
+    if i >= eval_batches:
       break
-    arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
-    arrays = jax.device_put(arrays, sharding.batch_sharding(target.mesh))
-    m = step_lib.eval_step(state.params, vocab, embed, target.params, arrays,
-                           draft_graphdef=graphdef, target_graphdef=target.graphdef, **train.loss_kwargs)
-    m = jax.device_get(m)
+    m = jax.device_get(eval_fn(batch))
     sums = m if sums is None else jax.tree.map(np.add, sums, m)
     n += 1
   if not n:
@@ -172,8 +205,14 @@ def _evaluate(source, train: TrainOptions, seq_len: int, target, state, vocab, e
   return mean
 
 
+def _online_arrays(batch, mesh):
+  arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
+  return jax.device_put(arrays, sharding.batch_sharding(mesh))
+
+
 def run(config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) a draft in `workdir`; returns the final held-out metrics."""
+  """Trains (or resumes) a draft in `workdir`, online or from a feature store; returns the final held-out
+  metrics."""
   t = options_lib.from_section(TrainOptions, config.train, "train")
   model = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model")
   data = options_lib.from_section(DataOptions, config.data, "data")
@@ -186,7 +225,14 @@ def run(config, workdir: str) -> dict[str, Any]:
     raise ValueError(f"{config.model} has no tokenizer; training data cannot be tokenised.")
   record = resolve_selection(config, target)
   sharding.check_batch(mesh, t.batch_size)
-  dataset, train_source, heldout = load_data(data, target)
+  store = None
+  if t.features:
+    store, train_source, heldout = load_store(t.features, data, target, record, config.dtype)
+    dataset_name = store.header["dataset"]
+  else:
+    dataset, train_source, heldout = load_data(data, target)
+    dataset_name = dataset.name
+  store_id = None if store is None else store.fingerprint
   fingerprint = config_fingerprint(config)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   optimizer = t.optimizer
@@ -197,6 +243,10 @@ def run(config, workdir: str) -> dict[str, Any]:
       raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
                        f"{meta['config_fingerprint']} vs {fingerprint}); resume with the same config "
                        "or use a new --workdir.")
+    if meta.get("feature_store") != store_id:
+      raise ValueError(f"{workdir} holds a run trained {_source_name(meta.get('feature_store'))}, but this run "
+                       f"reads {_source_name(store_id)}; resume with the same train.features or use a new "
+                       "--workdir.")
     draft = restore.abstract_draft(DraftConfig.from_dict(meta["draft_config"]))
   else:
     draft = new_draft(model, t, seed, target, record, train_source)
@@ -215,23 +265,46 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Resumed from step %d (data position %s).", int(state.step), position)
   embed = _replicate(embed, mesh)
   base_meta = {"config_fingerprint": fingerprint, "draft_config": draft.config.to_dict(),
-               "selection": record.to_dict(), "dataset": dataset.name,
+               "selection": record.to_dict(), "dataset": dataset_name,
                "config": json.loads(config.to_json_best_effort())}
-  it = data_lib.BatchIterator(train_source, batch_size=t.batch_size, seq_len=data.max_length,
-                              pad_id=int(target.tokenizer.pad_token_id or 0), seed=seed, position=position)
+  pad_id = int(target.tokenizer.pad_token_id or 0)
+  iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id)
+  heldout_batches = dict(iterate, shuffle=False, drop_remainder=False, num_epochs=1)
+  if store is None:
+    it = data_lib.BatchIterator(train_source, seed=seed, position=position, **iterate)
+    train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
+        state, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
+        target_graphdef=target.graphdef, optimizer=optimizer, **t.loss_kwargs)
+    eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
+    eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
+        state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
+        target_graphdef=target.graphdef, **t.loss_kwargs)
+  else:
+    base_meta["feature_store"] = store_id
+    base_meta["feature_store_path"] = store.path
+    slots = store.layer_slots(record.ids)
+    ids = np.arange(draft.config.draft_vocab_size) + np.asarray(jax.device_get(vocab["d2t"][...]))
+    head_rows = _replicate(jnp.take(target_head(target), jnp.asarray(ids), axis=1), mesh)  # [D, V_d]
+    it = features_lib.FeatureBatchIterator(train_source, slots, seed=seed, position=position, **iterate)
+    train_fn = lambda state, batch: step_lib.train_step_offline(  # noqa: E731
+        state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
+        optimizer=optimizer, **t.loss_kwargs)
+    eval_batches = lambda: features_lib.FeatureBatchIterator(heldout, slots, **heldout_batches)  # noqa: E731
+    eval_fn = lambda state, batch: step_lib.eval_step_offline(  # noqa: E731
+        state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
+        **t.loss_kwargs)
+    logging.info("Offline training from %s: %d steps = %.2f epochs of its train split (%d sequences, %d "
+                 "steps/epoch).", store.path, t.num_steps, t.num_steps / it.steps_per_epoch, len(train_source),
+                 it.steps_per_epoch)
   writer = metrics_lib.MetricWriter(workdir)
   start_step = int(state.step)
   stop = t.stop_step(start_step)
-  batch_sharding = sharding.batch_sharding(mesh)
   tic, tokens_seen, last = time.perf_counter(), 0, {}
   step = start_step
   for step in range(start_step, stop):
     batch = next(it)
-    arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
     tokens_seen += int(batch.attention_mask.sum())
-    state, m = step_lib.train_step(state, vocab, embed, target.params,
-                                   jax.device_put(arrays, batch_sharding), draft_graphdef=graphdef,
-                                   target_graphdef=target.graphdef, optimizer=optimizer, **t.loss_kwargs)
+    state, m = train_fn(state, batch)
     done = step + 1
     if done % t.log_every == 0 or done == stop:
       m = jax.device_get(m)
@@ -245,7 +318,7 @@ def run(config, workdir: str) -> dict[str, Any]:
       logging.info("step %d/%d  loss %.3f  acc_0 %.3f  %.0f tok/s  ETA %.0fs", done,
                    t.num_steps, float(m["loss"]), float(m["acc_j"][0]), rate, eta)
     if heldout is not None and (done % t.eval_every == 0 or done == t.num_steps):
-      last = _evaluate(heldout, t, data.max_length, target, state, vocab, embed, graphdef)
+      last = _evaluate(eval_batches(), t.eval_batches, lambda b: eval_fn(state, b))
       scalars = metrics_lib.flatten("eval", {"loss": last["loss"], "sim_tau": last["sim_tau"]})
       scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"],
                                                         "acc_in_vocab_j": last["acc_in_vocab_j"]}))
@@ -263,3 +336,6 @@ def run(config, workdir: str) -> dict[str, Any]:
                    "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"])})
   return result
 
+
+def _source_name(store_id: str | None) -> str:
+  return f"from the feature store {store_id}" if store_id else "online (no feature store)"

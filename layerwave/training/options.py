@@ -57,6 +57,8 @@ class TrainOptions:
     assistant_only: loss (and vocabulary counts) on assistant tokens only.
     vocab_examples: examples counted for the draft vocabulary; 0 = the whole train split.
     log_every, eval_every, eval_batches, checkpoint_every: how often to log, evaluate, checkpoint.
+    features: a feature store directory (experiments/extract_features.py) to train from offline, with no
+      target in the step; "" = online (the target runs in every step).
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
@@ -80,6 +82,7 @@ class TrainOptions:
   eval_every: int = 250
   eval_batches: int = 8
   checkpoint_every: int = 250
+  features: str = ""
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
