@@ -14,18 +14,18 @@ the chat template with the generation prompt) is longer than `max_prompt_tokens`
 survivors are answered. With `turns > 1` the k-th user turn is sent after the target's own earlier answers
 (the regenerated history); a turn whose prompt outgrows `max_prompt_tokens` ends that conversation.
 
-Batching. Each chunk of `chunk_size` conversations is answered turn by turn; a turn's prompts are sorted by
-length and cut into batches of `batch_size`, padded to a few fixed prompt widths (powers of two from 64 up to
-`max_prompt_tokens`) and row counts (powers of two up to `batch_size`), so decoding compiles a few times only.
-Greedy answers do not depend on the batch (a test checks them against `layerwave.generate` on each prompt
-alone), so `batch_size` may change between runs of one workdir.
+Batching. Each chunk of `chunk_size` conversations is answered turn by turn, `segment_tokens` tokens per
+round (`answer_prompts`): each round sorts the unfinished prompts by length, cuts them into batches of
+`batch_size` and decodes the next segment of every row; rows that reached EOS, `max_new_tokens` or a
+repetition loop leave, so no batch keeps decoding for one long answer while its other rows are done. Batches
+are padded to a few fixed widths (powers of two from 64) and row counts (powers of two up to `batch_size`),
+so decoding compiles a few times only. Greedy answers do not depend on the batching (a test checks them
+against `layerwave.generate` on each prompt alone), so `batch_size` and `segment_tokens` may change between
+runs of one workdir.
 
-Repetition loops (`find_loop`). A small model often ends an answer by repeating a phrase until the token
-budget runs out. An answer contains a loop when some block of p tokens (1 <= p <= `loop_max_period`) repeats
-back to back: a stretch `x[s : s + n]` with `x[i] == x[i + p]` throughout, covering n >= `loop_min_repeats`
-* p tokens and n >= `loop_min_tokens` tokens (a partial last repeat counts). The earliest such stretch wins
-(its smallest period at that start); the answer is cut after the block's first occurrence, `x[: s + p]`, so
-the text says it once. Cut answers are counted.
+Repetition loops. A small model often ends an answer by repeating a phrase until the token budget runs out;
+such answers are cut after the first occurrence of the repeated block (`repetition.find_loop` says how a loop
+is detected) and counted.
 
 Resumption. Chunk k's conversations are written atomically to `chunks/NNNNN.json` as soon as they are done;
 a rerun skips every chunk whose file holds the expected conversation ids, so a killed run resumes without
@@ -39,19 +39,15 @@ finished dataset (prompt selection is prefix-stable). When every chunk is done, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import glob
 import hashlib
 import json
 import os
-import shutil
 import time
 import zlib
 from typing import Any, Sequence
 
-import jax
 import numpy as np
-import tensorflow_datasets as tfds
 from absl import logging
 
 from layerwave import atomic
@@ -59,18 +55,18 @@ from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.data import chat
 from layerwave.data import decontaminate
+from layerwave.data import distilled
+from layerwave.data import repetition
 from layerwave.data import sources
 from layerwave.data import tfds_builders
 from layerwave.generate import generate
 from layerwave.inference import Target, load_target
 from layerwave.sampling import SamplingParams
 
-__all__ = ["Answer", "DistillOptions", "Prompt", "answer_chunk", "answer_prompts", "check_source",
-           "checkpoint_fingerprint", "cut_loop", "distill", "find_loop", "make_answer", "run", "select_prompts",
-           "target_fingerprint"]
+__all__ = ["Answer", "DistillOptions", "Prompt", "answer_chunk", "answer_prompts", "distill", "make_answer", "run",
+           "select_prompts"]
 
 FORMAT_VERSION = 1
-DATASET_NAME = "distilled_chat"
 MIN_WIDTH = 64
 
 
@@ -89,6 +85,8 @@ class DistillOptions:
     temperature, top_k, top_p: sampling (temperature 0 = greedy).
     seed: sampling seed (each batch derives its own from it, the chunk, turn and batch).
     batch_size: prompts per `generate` call.
+    segment_tokens: tokens decoded per round before finished rows leave and the rest are re-batched
+      (`answer_prompts`); 0 = the whole budget in one call.
     chunk_size: conversations per chunk, the unit of resumption.
     loop_max_period: longest repeated block the loop cutter looks for (0 = no loop cutting).
     loop_min_repeats: a loop must cover at least this many periods...
@@ -108,7 +106,8 @@ class DistillOptions:
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
-  batch_size: int = 32
+  batch_size: int = 8
+  segment_tokens: int = 64
   chunk_size: int = 64
   loop_max_period: int = 64
   loop_min_repeats: int = 3
@@ -118,7 +117,7 @@ class DistillOptions:
   exclude_min_chars: int = 40
 
   # Settings a rerun of the same workdir may change (they change how much is done or how fast, not what).
-  RESUMABLE = ("num_prompts", "batch_size")
+  RESUMABLE = ("num_prompts", "batch_size", "segment_tokens")
 
   def __post_init__(self):
     checks = [
@@ -128,6 +127,7 @@ class DistillOptions:
         (self.num_prompts >= 0, "num_prompts must be >= 0 (0 = every prompt)", "num_prompts=0"),
         (self.batch_size >= 1, "batch_size must be >= 1", "batch_size=32"),
         (self.chunk_size >= 1, "chunk_size must be >= 1", "chunk_size=64"),
+        (self.segment_tokens >= 0, "segment_tokens must be >= 0 (0 = the whole budget at once)", "segment_tokens=64"),
         (self.loop_max_period >= 0, "loop_max_period must be >= 0 (0 = off)", "loop_max_period=64"),
         (self.loop_min_repeats >= 2, "loop_min_repeats must be >= 2", "loop_min_repeats=3"),
         (self.loop_min_tokens >= 0, "loop_min_tokens must be >= 0", "loop_min_tokens=32"),
@@ -157,130 +157,6 @@ class DistillOptions:
   def settings(self) -> dict[str, Any]:
     """Every field that fixes what the data is (the resumable ones left out)."""
     return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
-
-
-# -- repetition loops -------------------------------------------------------------------------------
-
-def find_loop(tokens: Sequence[int], max_period: int = 64, min_repeats: int = 3,
-              min_tokens: int = 32) -> tuple[int, int] | None:
-  """Finds the earliest repetition loop in a token sequence (see the module docstring).
-
-  Args:
-    tokens: the answer's token ids.
-    max_period: the longest repeated block considered (0 = never a loop).
-    min_repeats: the loop must cover at least this many periods (a partial last one counts).
-    min_tokens: ...and at least this many tokens.
-
-  Returns:
-    `(start, period)`: `tokens[start : start + period]` is the block's first occurrence. None if no loop.
-  """
-  x = np.asarray(tokens, np.int64)
-  n = x.shape[0]
-  best = None
-  for p in range(1, max_period + 1):
-    need = max(min_repeats * p, min_tokens, p + 1)  # tokens the periodic stretch must cover
-    if need > n:
-      break  # `need` grows with p
-    if best is not None and best[0] == 0:
-      break
-    # equal[i]: x[i] == x[i + p]. A stretch x[s : s + m + p] has period p iff equal[s : s + m] is all True.
-    mismatches = np.concatenate([[0], np.cumsum(x[p:] != x[:-p])])
-    m = need - p
-    starts = np.flatnonzero(mismatches[m:] == mismatches[:-m])
-    if starts.size and (best is None or starts[0] < best[0]):
-      best = (int(starts[0]), p)
-  return best
-
-
-def cut_loop(tokens: Sequence[int], max_period: int = 64, min_repeats: int = 3,
-             min_tokens: int = 32) -> tuple[list[int], bool]:
-  """`tokens` cut after the first occurrence of its earliest loop's block; and whether it was cut."""
-  loop = find_loop(tokens, max_period, min_repeats, min_tokens) if max_period else None
-  if loop is None:
-    return list(tokens), False
-  return list(tokens[:loop[0] + loop[1]]), True
-
-
-# -- fingerprints ------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=8)
-def _directory_fingerprint(path: str, stamp: tuple) -> str:
-  del stamp  # part of the cache key only: a rewritten file is hashed again
-  digest = hashlib.sha256()
-  with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-    digest.update(json.dumps(json.load(f), sort_keys=True).encode())
-  for name in _weight_files(path):
-    digest.update(os.path.basename(name).encode() + b"\0")
-    with open(name, "rb") as f:
-      while block := f.read(1 << 24):
-        digest.update(block)
-  return digest.hexdigest()[:16]
-
-
-def _weight_files(path: str) -> list[str]:
-  return sorted(glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*.bin")))
-
-
-def checkpoint_fingerprint(path: str) -> str | None:
-  """A hash of a checkpoint directory's config.json (parsed) and weight files (bytes): the model's identity.
-
-  Args:
-    path: an HF-layout directory (what `hub.resolve` returns and `Target.path` holds).
-
-  Returns:
-    16 hex digits (about 0.4 s for SmolLM2-135M's 538 MB, then cached), or None if `path` is no checkpoint.
-  """
-  if not path or not os.path.isfile(os.path.join(path, "config.json")):
-    return None
-  files = [os.path.join(path, "config.json")] + _weight_files(path)
-  stamp = tuple((f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files)
-  return _directory_fingerprint(os.path.realpath(path), stamp)
-
-
-def target_fingerprint(target: Target) -> str:
-  """The target's identity: its checkpoint directory's fingerprint (independent of the compute dtype).
-
-  A target built in memory (no checkpoint directory) is hashed from its parameters instead.
-  """
-  found = checkpoint_fingerprint(target.path)
-  if found is not None:
-    return found
-  digest = hashlib.sha256(json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str).encode())
-  for leaf in jax.tree.leaves(target.params):
-    digest.update(np.asarray(leaf, np.float32).tobytes())
-  return digest.hexdigest()[:16]
-
-
-def check_source(source: str, tokenizer: Any) -> None:
-  """Refuses a distilled dataset written by another target or tokenizer than the one reading it.
-
-  Analysis and training call this (through `DataOptions.build`) with the target's tokenizer; the target's
-  identity is the checkpoint directory the tokenizer was loaded from (`tokenizer.name_or_path`, which
-  `load_target` sets to the target's directory). Other sources pass.
-
-  Raises:
-    ValueError: the manifest names another tokenizer or target, with the fix.
-  """
-  directory = sources.distilled_path(source)
-  if directory is None:
-    return
-  manifest = sources.read_distilled_manifest(directory)
-  wrote = manifest["target"]
-  fix = (f"Distil the data with this model (python experiments/distill.py --config.model=MODEL "
-         f"--workdir=NEW_DIR) or read it with the model that wrote it (--config.model={wrote['model']}).")
-  tok_fp = tfds_builders.tokenizer_fingerprint(tokenizer)
-  if manifest["tokenizer"]["fingerprint"] != tok_fp:
-    raise ValueError(f"{directory} was distilled with another tokenizer (fingerprint "
-                     f"{manifest['tokenizer']['fingerprint']}, {manifest['tokenizer']['name']}) than the one "
-                     f"reading it ({tok_fp}, {getattr(tokenizer, 'name_or_path', '')}). {fix}")
-  model_fp = checkpoint_fingerprint(str(getattr(tokenizer, "name_or_path", "") or ""))
-  if model_fp is None:
-    logging.warning("Cannot identify the model reading %s (its tokenizer was not loaded from a checkpoint "
-                     "directory); only the tokenizer was checked.", directory)
-  elif model_fp != wrote["fingerprint"]:
-    raise ValueError(f"{directory} holds the answers of another target ({wrote['model']}, fingerprint "
-                     f"{wrote['fingerprint']}) than the one reading it ({tokenizer.name_or_path}, fingerprint "
-                     f"{model_fp}): a draft trained on them would learn another model. {fix}")
 
 
 # -- prompt selection --------------------------------------------------------------------------------
@@ -378,7 +254,7 @@ def make_answer(tokens: Sequence[int], target: Target, options: DistillOptions) 
   """
   tokens = list(tokens)
   eos = bool(tokens) and tokens[-1] in target.eos_token_ids
-  body, cut = cut_loop(tokens[:-1] if eos else tokens, options.loop_max_period, options.loop_min_repeats,
+  body, cut = repetition.cut_loop(tokens[:-1] if eos else tokens, options.loop_max_period, options.loop_min_repeats,
                        options.loop_min_tokens)
   text = target.tokenizer.decode(body, skip_special_tokens=True).strip()
   return Answer(text=text, tokens=len(body), generated=len(tokens), eos=eos, loop_cut=cut)
@@ -393,47 +269,73 @@ def _seed(seed: int, *parts: int) -> int:
 
 
 def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: DistillOptions,
-                   seed_parts: tuple[int, ...] = (), log_prefix: str = "") -> tuple[list[Answer], float]:
-  """Answers prompts in length-sorted batches; returns the answers in input order and the seconds spent.
+                   seed_parts: tuple[int, ...] = (), log_prefix: str = "") -> tuple[list[Answer], dict[str, float]]:
+  """Answers prompts in length-sorted batches, a segment of tokens at a time; answers come in input order.
+
+  Every round decodes up to `segment_tokens` more tokens for each unfinished prompt (its prompt plus what it
+  has so far, re-read in one prefill) in batches of prompts of similar length. A prompt is finished at EOS,
+  at `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`): the loop would be cut
+  anyway. Finished rows leave, so the next round's batches hold live rows only, instead of every batch
+  decoding until its longest answer ends. Greedy answers are those of one `generate` call per prompt.
 
   Args:
     target: the target (its tokenizer decodes the answers).
     prompt_ids: one int array of token ids per prompt.
-    options: sampling, budgets, batch size and loop settings.
+    options: sampling, budgets, batch and segment sizes, loop settings.
     seed_parts: distinguishes this call's sampling seeds from other calls' (chunk, turn).
     log_prefix: prepended to the per-batch log line.
+
+  Returns:
+    (answers, counts): counts has `seconds` (in `generate`) and `row_steps` (rows x decode steps run,
+    padding rows included: generated tokens / row_steps is the batches' efficiency).
   """
-  order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
-  cap = -(-options.max_prompt_tokens // 16) * 16
+  n = len(prompt_ids)
+  segment = options.segment_tokens or options.max_new_tokens
+  cap = -(-(options.max_prompt_tokens + options.max_new_tokens) // 16) * 16
   multiple = sharding.data_size(target.mesh)
-  answers: list[Answer | None] = [None] * len(prompt_ids)
-  seconds = 0.0
-  num_batches = -(-len(order) // options.batch_size)
-  for b in range(num_batches):
-    rows = order[b * options.batch_size:(b + 1) * options.batch_size]
-    batch = [list(map(int, prompt_ids[i])) for i in rows]
-    width = min(max(MIN_WIDTH, _pow2_at_least(max(len(p) for p in batch))), cap)
-    padded = min(_pow2_at_least(len(batch)), options.batch_size)
-    padded = -(-padded // multiple) * multiple
-    batch += [batch[0]] * (padded - len(batch))  # a few fixed row counts: few compilations
-    tic = time.perf_counter()
-    out = generate(target, batch, options.max_new_tokens, temperature=options.temperature,
-                   top_k=options.top_k, top_p=options.top_p, seed=_seed(options.seed, *seed_parts, b),
-                   prompt_width=width)
-    seconds += time.perf_counter() - tic
-    generated = 0
-    for i, tokens in zip(rows, out):
-      generated += len(tokens)
-      answers[i] = make_answer(tokens, target, options)
-    elapsed = time.perf_counter() - tic
-    logging.info("%sbatch %d/%d: %d prompts (width %d, %d rows), %d tokens in %.1f s (%.1f tokens/s).",
-                 log_prefix, b + 1, num_batches, len(rows), width, padded, generated, elapsed,
-                 generated / max(elapsed, 1e-9))
-  return answers, seconds
+  prompts = [list(map(int, p)) for p in prompt_ids]
+  tokens: list[list[int]] = [[] for _ in range(n)]
+  live = list(range(n))
+  counts = {"seconds": 0.0, "row_steps": 0}
+  rounds = -(-options.max_new_tokens // segment)
+  for r in range(rounds):
+    budget = min(segment, options.max_new_tokens - r * segment)  # every live row holds r * segment tokens
+    order = sorted(live, key=lambda i: (len(prompts[i]), i))
+    num_batches = -(-len(order) // options.batch_size)
+    for b in range(num_batches):
+      rows = order[b * options.batch_size:(b + 1) * options.batch_size]
+      batch = [prompts[i] + tokens[i] for i in rows]
+      width = min(max(MIN_WIDTH, _pow2_at_least(max(len(p) for p in batch))), cap)
+      padded = -(-min(_pow2_at_least(len(batch)), options.batch_size) // multiple) * multiple
+      batch += [batch[0]] * (padded - len(batch))  # a few fixed row counts and widths: few compilations
+      tic = time.perf_counter()
+      out, stats = generate(target, batch, budget, temperature=options.temperature, top_k=options.top_k,
+                            top_p=options.top_p, seed=_seed(options.seed, *seed_parts, r, b), prompt_width=width,
+                            return_stats=True)
+      elapsed = time.perf_counter() - tic
+      counts["seconds"] += elapsed
+      counts["row_steps"] += padded * stats["steps"]
+      for i, new in zip(rows, out):
+        tokens[i] += new
+      logging.info("%sround %d/%d batch %d/%d: %d prompts (width %d, %d rows), %d tokens in %.1f s (%.1f "
+                   "tokens/s).", log_prefix, r + 1, rounds, b + 1, num_batches, len(rows), width, padded,
+                   sum(len(x) for x in out[:len(rows)]), elapsed,
+                   sum(len(x) for x in out[:len(rows)]) / max(elapsed, 1e-9))
+    live = [i for i in live if not _finished(tokens[i], target, options)]
+    if not live:
+      break
+  return [make_answer(t, target, options) for t in tokens], counts
+
+
+def _finished(tokens: list[int], target: Target, options: DistillOptions) -> bool:
+  if len(tokens) >= options.max_new_tokens or (tokens and tokens[-1] in target.eos_token_ids):
+    return True
+  return bool(options.loop_max_period) and repetition.find_loop(tokens, options.loop_max_period, options.loop_min_repeats,
+                                                     options.loop_min_tokens) is not None
 
 
 def _new_stats() -> dict[str, Any]:
-  keys = ("conversations", "assistant_turns", "tokens_written", "generated_tokens", "loops_cut",
+  keys = ("conversations", "assistant_turns", "tokens_written", "generated_tokens", "row_steps", "loops_cut",
           "eos_terminated", "unfinished", "unfinished_dropped", "empty_dropped", "turns_too_long", "seconds")
   return {k: 0 for k in keys}
 
@@ -462,9 +364,9 @@ def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOpti
       ids.append(prompt)
     if not active:
       break
-    answers, seconds = answer_prompts(target, ids, options, (chunk, turn),
-                                      f"{log_prefix}turn {turn + 1}/{options.turns} ")
-    stats["seconds"] += seconds
+    answers, counts = answer_prompts(target, ids, options, (chunk, turn),
+                                     f"{log_prefix}turn {turn + 1}/{options.turns} ")
+    stats["row_steps"] += counts["row_steps"]
     for c, a in zip(active, answers):
       stats["generated_tokens"] += a.generated
       stats["loops_cut"] += a.loop_cut
@@ -486,57 +388,6 @@ def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOpti
              if any(m["role"] == "assistant" for m in c["messages"])]
   stats["conversations"] = len(records)
   return records, stats
-
-
-# -- the dataset on disk -----------------------------------------------------------------------------
-
-class DistilledChat(tfds.core.GeneratorBasedBuilder):
-  """tfds builder of the regenerated conversations; constructed by `distill` from the finished chunks."""
-
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "id, group, index, messages (role, content)."}
-
-  def __init__(self, *, records: Sequence[dict[str, Any]], **kwargs: Any):
-    self._records = records
-    super().__init__(**kwargs)
-
-  @tfds.core.utils.classproperty
-  @classmethod
-  def name(cls) -> str:
-    return DATASET_NAME
-
-  @tfds.core.utils.classproperty
-  @classmethod
-  def code_path(cls) -> None:  # nothing is downloaded: no checksum file (see tfds_builders.ChatTokens)
-    return None
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    text = tfds.features.Text()
-    return tfds.core.DatasetInfo(
-        builder=self, description="Conversations whose assistant turns the target wrote (layerwave).",
-        features=tfds.features.FeaturesDict({
-            "id": text, "group": text, "index": np.int64,
-            "messages": tfds.features.Sequence({"role": text, "content": text}),
-        }))
-
-  def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
-    del dl_manager
-    return {"train": self._generate_examples()}
-
-  def _generate_examples(self):
-    for r in self._records:
-      yield r["id"], {"id": r["id"], "group": r["group"], "index": r["index"], "messages": r["messages"]}
-
-
-def _build_dataset(workdir: str, records: Sequence[dict[str, Any]]) -> str:
-  """Writes the array_record dataset into `workdir/dataset` atomically; returns its path relative to workdir."""
-  tfds.disable_progress_bar()
-  with atomic.atomic_directory(os.path.join(workdir, "dataset")) as tmp:
-    builder = DistilledChat(records=records, data_dir=tmp, file_format="array_record")
-    builder.download_and_prepare()
-    relative = os.path.relpath(str(builder.data_dir), tmp)
-    shutil.rmtree(os.path.join(tmp, "downloads"), ignore_errors=True)  # tfds makes it; nothing is downloaded
-  return os.path.join("dataset", relative)
 
 
 # -- the stage ---------------------------------------------------------------------------------------
@@ -607,7 +458,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
                      f"max_position_embeddings ({target.config.max_position_embeddings}); lower one of them.")
   wall = time.perf_counter()
   model = model or str(target.path)
-  identity = {"target_fingerprint": target_fingerprint(target),
+  identity = {"target_fingerprint": distilled.target_fingerprint(target),
               "tokenizer_fingerprint": tfds_builders.tokenizer_fingerprint(tokenizer),
               "dtype": str(np.dtype(target.model.compute_dtype)), "format_version": FORMAT_VERSION}
   settings = {**options.settings(), **identity}
@@ -671,7 +522,7 @@ def _finish(workdir, chunks, counts, options, identity, fingerprint, model, targ
   totals = _new_stats()
   for c in chunks:
     for k in totals:
-      totals[k] += c["stats"][k]
+      totals[k] += c["stats"].get(k, 0)
   content = hashlib.sha256(json.dumps(records, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()[:16]
   manifest_path = os.path.join(workdir, sources.DISTILLED_MANIFEST)
   old = None
@@ -687,7 +538,7 @@ def _finish(workdir, chunks, counts, options, identity, fingerprint, model, targ
     logging.info("%s is complete (%d conversations); nothing to do.", workdir, len(records))
     return old
   tic = time.perf_counter()
-  relative = _build_dataset(workdir, records)
+  relative = distilled.build_dataset(workdir, records)
   logging.info("Wrote %d conversations to %s in %.1f s.", len(records), os.path.join(workdir, relative),
                time.perf_counter() - tic)
   turns = max(totals["assistant_turns"], 1)
@@ -708,6 +559,7 @@ def _finish(workdir, chunks, counts, options, identity, fingerprint, model, targ
                   "exclude_min_chars": options.exclude_min_chars, **counts},
       "output": {**{k: v for k, v in totals.items() if k != "seconds"},
                  "mean_answer_tokens": totals["tokens_written"] / turns,
+                 "decode_efficiency": totals["generated_tokens"] / max(totals["row_steps"], 1),
                  "loops_cut_fraction": totals["loops_cut"] / turns},
       "time": {"generation_s": totals["seconds"], "wall_s_this_run": time.perf_counter() - wall,
                "generated_tokens_per_s": totals["generated_tokens"] / max(totals["seconds"], 1e-9)},

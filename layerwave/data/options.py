@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from layerwave.data import distill
+from layerwave.data import distilled
 from layerwave.data import tfds_builders
 
 __all__ = ["DataOptions"]
@@ -47,9 +47,9 @@ class DataOptions:
     """Builds (or reuses) the chat dataset these options name.
 
     A self-distilled source (`distilled:DIR`) must have been written by the target this tokenizer belongs
-    to (`distill.check_source`): another model's answers are refused.
+    to (`distilled.check_source`): another model's answers are refused.
     """
-    distill.check_source(self.source, tokenizer)
+    distilled.check_source(self.source, tokenizer)
     return tfds_builders.build_chat_dataset(
         tokenizer, self.source, max_length=self.max_length, heldout_fraction=self.heldout_fraction,
         split_seed=self.split_seed, source_options={"limit": self.max_records} if self.max_records else None)

@@ -1,4 +1,5 @@
-"""Tests for layerwave/data/distill.py and layerwave/data/decontaminate.py: the self-distillation stage.
+"""Tests for layerwave/data/distill.py and its parts (distilled.py, decontaminate.py, repetition.py): the
+self-distillation stage.
 
 On the tiny chat target (tests/conftest.py: random weights, SmolLM2's tokenizer and chat template): the loop
 cutter on hand-made sequences, greedy answers equal to `layerwave.generate` on each prompt alone, resumption
@@ -26,6 +27,8 @@ from layerwave import options as options_lib
 from layerwave.data import chat
 from layerwave.data import decontaminate
 from layerwave.data import distill
+from layerwave.data import distilled as distilled_lib
+from layerwave.data import repetition
 from layerwave.data import sources
 from layerwave.data.options import DataOptions
 from layerwave.models import hub
@@ -36,8 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Small budgets for the tiny target (max_position_embeddings 256); its random answers fall into loops often
 # enough that a 12-token minimum makes the cutter act.
+# Rounds of 8 tokens: finished rows leave and the rest are re-batched 3 times per answer.
 OPTIONS = distill.DistillOptions(num_prompts=10, max_new_tokens=32, max_prompt_tokens=96, batch_size=4,
-                                 chunk_size=4, loop_min_tokens=12)
+                                 segment_tokens=8, chunk_size=4, loop_min_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +89,16 @@ PREFIX = list(range(100, 120))  # 20 distinct tokens
     (PREFIX + [7, 8] * 3 + PREFIX + [1, 2, 3] * 11, (46, 3)),  # a short repeat first: not a loop
 ])
 def test_find_loop_on_hand_made_sequences(tokens, expected):
-  assert distill.find_loop(tokens, max_period=64, min_repeats=3, min_tokens=32) == expected
+  assert repetition.find_loop(tokens, max_period=64, min_repeats=3, min_tokens=32) == expected
 
 
 def test_cut_loop_keeps_one_block_and_loop_cutting_can_be_off():
   tokens = PREFIX + [7, 8, 9] * 12
-  assert distill.cut_loop(tokens) == (PREFIX + [7, 8, 9], True)
-  assert distill.cut_loop(tokens, max_period=0) == (tokens, False)
-  assert distill.cut_loop(PREFIX) == (PREFIX, False)
+  assert repetition.cut_loop(tokens) == (PREFIX + [7, 8, 9], True)
+  assert repetition.cut_loop(tokens, max_period=0) == (tokens, False)
+  assert repetition.cut_loop(PREFIX) == (PREFIX, False)
   # Partial repeats count: 3 x 11 + 2 tokens = 35 >= 32 covered.
-  assert distill.find_loop(PREFIX + [7, 8, 9] * 11 + [7, 8]) == (20, 3)
+  assert repetition.find_loop(PREFIX + [7, 8, 9] * 11 + [7, 8]) == (20, 3)
 
 
 # -- batching does not change greedy answers ----------------------------------------------------------
@@ -139,8 +143,9 @@ def test_resume_after_an_interruption_gives_the_same_records(target, records, ev
   with open(os.path.join(workdir, "chunks", ".00001.json.x1y2.tmp"), "w") as f:
     f.write('{"chunk": 1, "recor')
   calls.clear()
-  manifest = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=3), workdir, records=records,
-                             eval_prompts=evals)
+  # Batching settings may change on resume: greedy answers do not depend on them.
+  manifest = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=3, segment_tokens=12), workdir,
+                             records=records, eval_prompts=evals)
   assert calls == [1, 2]  # only the unfinished chunks ran again
   again = _read(workdir)
   assert again == reference
@@ -254,6 +259,21 @@ def test_real_sharegpt_prompts_against_the_real_evaluation_sets(evals, stride):
 
 
 # -- refusals and bad inputs ---------------------------------------------------------------------------
+
+def test_the_target_fingerprint_is_its_checkpoint_not_its_dtype(target, tiny_chat_target_dir, tmp_path):
+  value = distilled_lib.target_fingerprint(target)
+  assert value == distilled_lib.checkpoint_fingerprint(tiny_chat_target_dir)
+  assert distilled_lib.target_fingerprint(layerwave.load_target(tiny_chat_target_dir, dtype="bfloat16")) == value
+  copy = str(tmp_path / "copy")
+  shutil.copytree(tiny_chat_target_dir, copy)
+  assert distilled_lib.checkpoint_fingerprint(copy) == value  # identity is content, not place
+  with open(os.path.join(copy, "config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(copy, "config.json"), "w") as f:
+    json.dump({**config, "rms_norm_eps": 1e-6}, f)
+  assert distilled_lib.checkpoint_fingerprint(copy) != value
+  assert distilled_lib.checkpoint_fingerprint(str(tmp_path)) is None
+
 
 def test_reading_back_through_data_source_and_the_target_check(target, distilled, tiny_chat_target_dir,
                                                                tmp_path):
