@@ -127,6 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.eval_every = 250
   c.train.eval_batches = 8
   c.train.checkpoint_every = 250
+  c.train.end_lr_fraction = 0.0  # the cosine decay ends at this fraction of lr (1 = constant)
+  c.train.freeze_head = False  # keep the LM head as initialised from the target's rows
+  c.train.eval_ttt_steps = 0  # held-out evaluation depth (0 = ttt_steps)
   c.train.features = ""  # a feature store (experiments/extract_features.py): train offline, no target in the step
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------

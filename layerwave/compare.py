@@ -276,6 +276,7 @@ def fingerprint(config) -> tuple[str, dict]:
     d.pop(key, None)
   if not d.get("train", {}).get("features"):  # online cells: workdirs from before the field resume
     d.get("train", {}).pop("features", None)
+  TrainOptions.drop_late_defaults(d.get("train", {}))
   if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
     d.get("speculate", {}).pop("timing_repeats", None)
   return options_lib.fingerprint(d), d

@@ -94,6 +94,7 @@ def config_fingerprint(config) -> str:
   d = json.loads(config.to_json_best_effort())
   for key in TrainOptions.RESUMABLE:
     d.get("train", {}).pop(key, None)
+  TrainOptions.drop_late_defaults(d.get("train", {}))
   d.pop("draft", None)
   d.pop("speculate", None)
   d.pop("analysis", None)
@@ -278,7 +279,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
         state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=target.graphdef, **t.loss_kwargs)
+        target_graphdef=target.graphdef, **t.eval_loss_kwargs)
   else:
     base_meta["feature_store"] = store_id
     base_meta["feature_store_path"] = store.path
@@ -292,7 +293,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     eval_batches = lambda: features_lib.FeatureBatchIterator(heldout, slots, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step_offline(  # noqa: E731
         state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
-        **t.loss_kwargs)
+        **t.eval_loss_kwargs)
     logging.info("Offline training from %s: %d steps = %.2f epochs of its train split (%d sequences, %d "
                  "steps/epoch).", store.path, t.num_steps, t.num_steps / it.steps_per_epoch, len(train_source),
                  it.steps_per_epoch)
@@ -300,12 +301,20 @@ def run(config, workdir: str) -> dict[str, Any]:
   start_step = int(state.step)
   stop = t.stop_step(start_step)
   tic, tokens_seen, last = time.perf_counter(), 0, {}
+  # Real tokens and seconds of training steps over the whole run, carried across resumptions (curves).
+  total_tokens = 0 if meta is None else int(meta.get("tokens_trained", 0))
+  total_seconds = 0.0 if meta is None else float(meta.get("train_seconds", 0.0))
   step = start_step
   for step in range(start_step, stop):
+    step_tic = time.perf_counter()  # batch preparation counts as training time; evaluation does not
     batch = next(it)
     tokens_seen += int(batch.attention_mask.sum())
     state, m = train_fn(state, batch)
     done = step + 1
+    if done % t.log_every == 0 or done == stop or done % t.eval_every == 0 or done % t.checkpoint_every == 0:
+      jax.block_until_ready(state.step)  # the clock stops when the step has run, not when it was dispatched
+    total_seconds += time.perf_counter() - step_tic
+    total_tokens += int(batch.attention_mask.sum())
     if done % t.log_every == 0 or done == stop:
       m = jax.device_get(m)
       elapsed = time.perf_counter() - tic
@@ -314,6 +323,8 @@ def run(config, workdir: str) -> dict[str, Any]:
       scalars = metrics_lib.flatten("train", {k: m[k] for k in ("loss", "grad_norm", "sim_tau")})
       scalars.update(metrics_lib.flatten("draft", {"acc_j": m["acc_j"]}))
       scalars["train/tokens_per_s"] = rate
+      scalars["train/tokens"] = total_tokens
+      scalars["train/seconds"] = total_seconds
       writer.write_scalars(done, scalars)
       logging.info("step %d/%d  loss %.3f  acc_0 %.3f  %.0f tok/s  ETA %.0fs", done,
                    t.num_steps, float(m["loss"]), float(m["acc_j"][0]), rate, eta)
@@ -322,10 +333,11 @@ def run(config, workdir: str) -> dict[str, Any]:
       scalars = metrics_lib.flatten("eval", {"loss": last["loss"], "sim_tau": last["sim_tau"]})
       scalars.update(metrics_lib.flatten("eval/draft", {"acc_j": last["acc_j"],
                                                         "acc_in_vocab_j": last["acc_in_vocab_j"]}))
+      scalars.update({"train/tokens": total_tokens, "train/seconds": total_seconds})  # the curves' x axes
       writer.write_scalars(done, scalars)
     if done % t.checkpoint_every == 0 or done == stop:
-      ckpt.save(done, state, vocab, {**base_meta, "step": done,
-                                     "data_position": it.position.to_dict()})
+      ckpt.save(done, state, vocab, {**base_meta, "step": done, "data_position": it.position.to_dict(),
+                                     "tokens_trained": total_tokens, "train_seconds": total_seconds})
   writer.close()
   ckpt.close()
   result = {"step": int(jax.device_get(state.step)), "layers": list(record.ids),

@@ -57,13 +57,17 @@ class TrainOptions:
     assistant_only: loss (and vocabulary counts) on assistant tokens only.
     vocab_examples: examples counted for the draft vocabulary; 0 = the whole train split.
     log_every, eval_every, eval_batches, checkpoint_every: how often to log, evaluate, checkpoint.
+    end_lr_fraction: the cosine schedule ends at this fraction of `lr` (1 = constant after warmup).
+    freeze_head: keep the draft's LM head as initialised (`draft_model.init_from_target`: the target's rows).
+    eval_ttt_steps: unrolled steps of the held-out evaluation (0 = `ttt_steps`); a fixed value compares drafts
+      trained with different K at the same draft depth.
     features: a feature store directory (experiments/extract_features.py) to train from offline, with no
       target in the step; "" = online (the target runs in every step).
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
   RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
-                                          "checkpoint_every")
+                                          "eval_ttt_steps", "checkpoint_every")
 
   batch_size: int
   num_steps: int
@@ -82,14 +86,21 @@ class TrainOptions:
   eval_every: int = 250
   eval_batches: int = 8
   checkpoint_every: int = 250
+  end_lr_fraction: float = 0.0
+  freeze_head: bool = False
+  eval_ttt_steps: int = 0
   features: str = ""
+
+  # Fields added after workdirs existed: left out of fingerprints while they hold these defaults, so those
+  # workdirs still resume.
+  LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0}
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
                  "checkpoint_every"):
       value = getattr(self, name)
       _require(value >= 1, f"train.{name} must be >= 1, got {value}; set --config.train.{name}=N with N >= 1.")
-    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay"):
+    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay", "eval_ttt_steps"):
       value = getattr(self, name)
       _require(value >= 0, f"train.{name} must be >= 0, got {value}; set --config.train.{name}=0 to turn it "
                "off.")
@@ -102,17 +113,33 @@ class TrainOptions:
                f"--config.train.{name}={0.9 if name == 'b1' else 0.95}.")
     _require(0 < self.decay <= 1, f"train.decay must be in (0, 1], got {self.decay}; EAGLE-3 uses "
              "--config.train.decay=0.8.")
+    _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
+             f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
+
+  @classmethod
+  def drop_late_defaults(cls, train_section: dict) -> dict:
+    """Removes `LATE_DEFAULTS` fields holding their defaults from a config's train section (fingerprints)."""
+    for name, default in cls.LATE_DEFAULTS.items():
+      if name in train_section and train_section[name] == default:
+        train_section.pop(name)
+    return train_section
 
   @property
   def optimizer(self) -> step_lib.OptimizerSettings:
     """The optimizer's hyperparameters (a static argument of `train_step`)."""
     return step_lib.OptimizerSettings(self.lr, self.warmup_steps, self.num_steps, clip_norm=self.clip_norm,
-                                      b1=self.b1, b2=self.b2, weight_decay=self.weight_decay)
+                                      b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
+                                      end_lr_fraction=self.end_lr_fraction, freeze_head=self.freeze_head)
 
   @property
   def loss_kwargs(self) -> dict:
     """`train_step` / `eval_step`'s loss settings."""
     return dict(steps=self.ttt_steps, decay=self.decay, assistant_only=self.assistant_only)
+
+  @property
+  def eval_loss_kwargs(self) -> dict:
+    """`eval_step`'s loss settings: `loss_kwargs` unrolled `eval_ttt_steps` deep when set."""
+    return dict(self.loss_kwargs, steps=self.eval_ttt_steps or self.ttt_steps)
 
   def stop_step(self, start: int) -> int:
     """The step this invocation stops at, resuming from `start`."""

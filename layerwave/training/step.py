@@ -61,7 +61,9 @@ class OptimizerSettings:
     total_steps: the cosine decay ends here.
     clip_norm: global gradient-norm clip.
     b1, b2, weight_decay: AdamW's.
-    end_lr_fraction: the learning rate at `total_steps`, as a fraction of `lr`.
+    end_lr_fraction: the learning rate at `total_steps`, as a fraction of `lr` (1 = constant after warmup).
+    freeze_head: leave the draft's LM head as initialised (from the target's rows): its updates are zero and
+      it does not count towards the clipped gradient norm.
   """
 
   lr: float
@@ -72,6 +74,7 @@ class OptimizerSettings:
   b2: float = 0.95
   weight_decay: float = 0.0
   end_lr_fraction: float = 0.0
+  freeze_head: bool = False
 
   def build(self) -> optax.GradientTransformation:
     """The optax transformation (a new object per call; its state's structure is always the same)."""
@@ -79,8 +82,20 @@ class OptimizerSettings:
         init_value=0.0, peak_value=self.lr, warmup_steps=max(int(self.warmup_steps), 1),
         decay_steps=max(int(self.total_steps), int(self.warmup_steps) + 1),
         end_value=self.lr * self.end_lr_fraction)
-    return optax.chain(optax.clip_by_global_norm(self.clip_norm),
-                       optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
+    tx = optax.chain(optax.clip_by_global_norm(self.clip_norm),
+                     optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))
+    if not self.freeze_head:
+      return tx
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, _head_labels)
+
+
+def _head_labels(params):
+  """"frozen" for the draft's LM head (`lm_head.*`), "train" for every other parameter."""
+  def label(path, _):
+    first = path[0]
+    name = getattr(first, "key", getattr(first, "name", first))
+    return "frozen" if str(name) == "lm_head" else "train"
+  return jax.tree_util.tree_map_with_path(label, params)
 
 
 def init_state(params, optimizer: OptimizerSettings) -> TrainState:

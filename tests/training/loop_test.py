@@ -9,6 +9,7 @@ import pytest
 
 import layerwave
 from layerwave import checkpoint as ckpt_lib
+from layerwave.training import curves
 from layerwave.training import loop
 
 
@@ -32,6 +33,22 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path):
     np.testing.assert_array_equal(a, b)
   lines = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
   assert any("eval/sim_tau" in l for l in lines) and any("train/loss" in l for l in lines)
+  # The curves' axes: cumulative real tokens and training seconds, carried across the resumption.
+  full_curve = curves.read_curve(str(tmp_path / "full"))
+  resumed_curve = curves.read_curve(str(tmp_path / "resumed"))
+  assert [p.step for p in full_curve] == [2, 4] == [p.step for p in resumed_curve]
+  assert [p.tokens for p in full_curve] == [p.tokens for p in resumed_curve]
+  assert 0 < full_curve[0].tokens < full_curve[1].tokens <= 4 * 2 * 64
+  assert 0 < resumed_curve[0].seconds < resumed_curve[1].seconds
+
+
+def test_eval_depth_is_set_apart_from_the_training_depth(tiny_config, tmp_path):
+  tiny_config.train.eval_ttt_steps = 4  # trained K = 2, evaluated 4 deep
+  result = loop.run(tiny_config, str(tmp_path))
+  assert len(result["heldout_acc"]) == 4
+  tiny_config.train.num_steps = 6  # eval_ttt_steps is an evaluation setting: the run resumes with another
+  tiny_config.train.eval_ttt_steps = 0
+  assert len(loop.run(tiny_config, str(tmp_path))["heldout_acc"]) == 2
 
 
 def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):

@@ -89,3 +89,17 @@ def test_eight_devices_equal_one(tmp_path):
   assert abs(got["loss"] - float(m["loss"])) < 1e-4
   for a, b in zip(got["params"], jax.tree.leaves(state.params)):
     np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_freeze_head_leaves_the_lm_head_and_trains_the_rest(tmp_path):
+  target = make_peaky_target(str(tmp_path))
+  state, vocab, embed, batch, kw = setup(target)
+  frozen = step_lib.OptimizerSettings(3e-3, 5, 400, freeze_head=True)
+  state = jax.device_put(step_lib.init_state(state.params, frozen), sharding.replicated(target.mesh))
+  before = jax.device_get(state.params)
+  for _ in range(3):
+    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **dict(kw, optimizer=frozen))
+  after = jax.device_get(state.params)
+  np.testing.assert_array_equal(after["lm_head"]["kernel"][...], before["lm_head"]["kernel"][...])
+  assert not np.array_equal(after["fc"]["kernel"][...], before["fc"]["kernel"][...])
+  assert np.isfinite(float(m["loss"]))

@@ -1,0 +1,78 @@
+"""A CPU training recipe by measurement: learning curves of drafts trained from feature stores, side by side.
+
+  python experiments/sweep_recipe.py --config=configs/smollm2_135m.py:recipe --workdir=W \\
+      --config.train.features=STORE [--sharegpt_features=STORE2] [--cells=base,k3,k7]
+
+Every cell is the base config with a few overrides (CELLS), trained by `layerwave.training.loop.run` into
+W/<cell>: resumable, and skipped once it reached `train.num_steps`, so an interrupted sweep is re-run with the
+same command. Every cell gets the same number of steps (the same training tokens); held-out acc_j and
+simulated τ are logged every `train.eval_every` steps together with the tokens and seconds spent, so the
+curves compare recipes per token and per CPU-minute. Writes W/curves.json and W/curves.png and prints a
+markdown table (paste into BENCHMARKS.md). `--report_only` tabulates what is finished without training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from layerwave import atomic
+from layerwave import plots
+from layerwave.training import curves
+from layerwave.training import loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (one subfolder per cell).")
+_CELLS = flags.DEFINE_list("cells", None, "Cells to run, in order (default: all of CELLS).")
+_SHAREGPT = flags.DEFINE_string("sharegpt_features", "", "A store extracted from ShareGPT's own answers "
+                                "(same depths): enables the 'sharegpt' cell (data: ShareGPT vs self-distilled).")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only tabulate finished cells.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+# What the sweep varies, one thing per cell, against the base config (`:recipe`).
+CELLS = {
+    "base": {},
+    "k3": {"train.ttt_steps": 3},
+    "k7": {"train.ttt_steps": 7},
+    "vd4k": {"draft_model.vocab_size": 4096},
+    "vd16k": {"draft_model.vocab_size": 16384},
+    "head_frozen": {"train.freeze_head": True},
+    "lr3e-4": {"train.lr": 3e-4},
+    "lr3e-3": {"train.lr": 3e-3},
+    "fc_norm": {"draft_model.fc_norm": True},
+    "const_lr": {"train.end_lr_fraction": 1.0},
+}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  cells = dict(CELLS)
+  if _SHAREGPT.value:
+    cells["sharegpt"] = {"train.features": _SHAREGPT.value}
+  names = _CELLS.value or list(cells)
+  unknown = [n for n in names if n not in cells]
+  if unknown:
+    raise app.UsageError(f"--cells: unknown {unknown}; choose from {sorted(cells)} (sharegpt needs "
+                         "--sharegpt_features).")
+  cells = {n: cells[n] for n in names}
+  workdir = _WORKDIR.value
+  if _REPORT_ONLY.value:
+    result = {n: curves.read_curve(os.path.join(workdir, n)) for n in cells}
+  else:
+    result = curves.sweep(_CONFIG.value, cells, workdir, loop.run)
+  as_dicts = {n: [dataclasses.asdict(p) for p in points] for n, points in result.items()}
+  atomic.write_json(os.path.join(workdir, "curves.json"), {"cells": cells, "curves": as_dicts})
+  plots.plot_learning_curves(os.path.join(workdir, "curves.png"), as_dicts,
+                             title=f"draft learning curves ({_CONFIG.value.train.features or 'online'})")
+  print(curves.table(result, cells))
+
+
+if __name__ == "__main__":
+  app.run(main)
