@@ -29,9 +29,34 @@ import jax.numpy as jnp
 from layerwave.models.draft import Draft
 
 
+def argmax(x: jax.Array, block: int = 1024) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` (the first maximum, NaN counting as the largest), about 20x faster on XLA:CPU.
+
+  XLA:CPU runs argmax as a variadic (value, index) reduction that does not vectorise: ~1 s for `[3072, 49152]`
+  logits, against ~0.05 s for a max. So: the max of each block of `block` entries (a plain reduction), the
+  argmax over those few block maxima, then the argmax within the winning block. Identical results, ties
+  included. XLA's vectorised max may drop a NaN, so an input whose sum is NaN (a NaN, or both infinities)
+  takes `jnp.argmax` itself.
+  """
+  v = x.shape[-1]
+  if v <= block:
+    return jnp.argmax(x, axis=-1)
+
+  def blocked(x):
+    pad = -v % block
+    if pad:
+      x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    inner = jnp.take_along_axis(blocks, best[..., None, None], axis=-2)[..., 0, :]
+    return best * block + jnp.argmax(inner, axis=-1)
+
+  return jax.lax.cond(jnp.isnan(jnp.sum(x)), lambda x: jnp.argmax(x, axis=-1), blocked, x)
+
+
 def target_targets(target_logits: jax.Array, draft: Draft) -> tuple[jax.Array, jax.Array]:
   """Target log-probs over the draft vocabulary `[B, T, V_d]` and whether its argmax is in it `[B, T]`."""
-  in_vocab = jnp.take(draft.t2d[...], jnp.argmax(target_logits, axis=-1))
+  in_vocab = jnp.take(draft.t2d[...], argmax(target_logits))
   restricted = jnp.take(target_logits, draft.draft_token_ids(), axis=-1)
   return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab
 
@@ -104,7 +129,7 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
     loss = jnp.sum(ce * mask) / jnp.maximum(n, 1.0)
     # Within the draft vocabulary the restricted argmax is the full one; outside it (mask = 0) the
     # draft's token can never equal the target's, so those positions count as misses.
-    hits = jnp.sum((jnp.argmax(h_logits, -1) == jnp.argmax(tgt, -1)).astype(jnp.float32) * mask)
+    hits = jnp.sum((argmax(h_logits) == argmax(tgt)).astype(jnp.float32) * mask)
     return loss, jnp.stack([hits, jnp.sum(counted), n])
 
   g = draft.fuse(features)

@@ -109,3 +109,14 @@ def test_offline_targets_equal_the_targets_of_the_full_logits():
   np.testing.assert_allclose(np.asarray(offline[0]), np.asarray(online[0]), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(offline[1]), np.asarray(online[1]))
   assert 0 < int(online[1].sum()) < online[1].size  # both in- and out-of-vocabulary argmaxes occur
+
+
+def test_blocked_argmax_equals_jnp_argmax_ties_nan_and_infinities_included():
+  rng = np.random.default_rng(0)
+  x = np.round(rng.normal(size=(5, 7, 2500)) * 2) / 2  # V not a multiple of the block; many ties
+  x[0, 0] = -np.inf
+  x[1, 2, [7, 1900]] = np.nan
+  x[2, 3, 2499] = np.inf
+  for block in (1024, 100, 7):
+    np.testing.assert_array_equal(np.asarray(losses.argmax(jnp.asarray(x), block)), np.argmax(x, -1))
+  np.testing.assert_array_equal(np.asarray(jax.jit(losses.argmax)(jnp.asarray(x))), np.asarray(jnp.argmax(x, -1)))

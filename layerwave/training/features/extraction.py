@@ -49,6 +49,7 @@ from layerwave.data import tfds_builders
 from layerwave.data.options import DataOptions
 from layerwave.inference import Target, load_target, positions_from_mask, target_fingerprint
 from layerwave.models.kv_cache import causal_mask
+from layerwave.training import losses
 from layerwave.training.features import store as store_lib
 
 __all__ = ["FeatureOptions", "extract", "run"]
@@ -118,7 +119,7 @@ def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype) -> Any
     b, t = tokens.shape
     hidden = (out.hidden_states.astype(dtype) if hidden_layers else
               jnp.zeros((0, b, t, out.last_hidden.shape[-1]), dtype))
-    return hidden, out.last_hidden.astype(dtype), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    return hidden, out.last_hidden.astype(dtype), losses.argmax(out.logits).astype(jnp.int32)
 
   return jax.jit(fn, out_shardings=(feats, rows, rows))
 
