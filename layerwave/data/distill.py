@@ -14,14 +14,16 @@ the chat template with the generation prompt) is longer than `max_prompt_tokens`
 survivors are answered. With `turns > 1` the k-th user turn is sent after the target's own earlier answers
 (the regenerated history); a turn whose prompt outgrows `max_prompt_tokens` ends that conversation.
 
-Batching. Each chunk of `chunk_size` conversations is answered turn by turn, `segment_tokens` tokens per
-round (`answer_prompts`): each round sorts the unfinished prompts by length, cuts them into batches of
-`batch_size` and decodes the next segment of every row; rows that reached EOS, `max_new_tokens` or a
-repetition loop leave, so no batch keeps decoding for one long answer while its other rows are done. Batches
-are padded to a few fixed widths (powers of two from 64) and row counts (powers of two up to `batch_size`),
-so decoding compiles a few times only. Greedy answers do not depend on the batching (a test checks them
-against `layerwave.generate` on each prompt alone), so `batch_size` and `segment_tokens` may change between
-runs of one workdir.
+Batching. Each chunk of `chunk_size` conversations is answered turn by turn (`answer_prompts`): a turn's
+prompts are sorted by length and cut into batches of `batch_size`, padded to a few fixed widths (powers of
+two from 64) and row counts (powers of two up to `batch_size`), so decoding compiles a few times only. A
+batch decodes until its longest answer ends. With `segment_tokens` > 0 it decodes in rounds of that many
+tokens instead: rows that reached EOS, `max_new_tokens` or a repetition loop leave after each round and the
+rest are re-batched, at the cost of re-reading each live row's context in a prefill per round. That can
+only pay where a prefill token is much cheaper than a decode step (accelerators; not measured): on 2 CPU
+cores rounds of 64 were 1.5x slower than one call (same answers, byte for byte), so the default is 0. Greedy answers do not depend on
+the batching (a test checks them against `layerwave.generate` on each prompt alone), so `batch_size` and
+`segment_tokens` may change between runs of one workdir.
 
 Repetition loops. A small model often ends an answer by repeating a phrase until the token budget runs out;
 such answers are cut after the first occurrence of the repeated block (`repetition.find_loop` says how a loop
@@ -86,7 +88,7 @@ class DistillOptions:
     seed: sampling seed (each batch derives its own from it, the chunk, turn and batch).
     batch_size: prompts per `generate` call.
     segment_tokens: tokens decoded per round before finished rows leave and the rest are re-batched
-      (`answer_prompts`); 0 = the whole budget in one call.
+      (`answer_prompts`); 0 = the whole budget in one call (faster on a CPU).
     chunk_size: conversations per chunk, the unit of resumption.
     loop_max_period: longest repeated block the loop cutter looks for (0 = no loop cutting).
     loop_min_repeats: a loop must cover at least this many periods...
@@ -106,8 +108,8 @@ class DistillOptions:
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
-  batch_size: int = 8
-  segment_tokens: int = 64
+  batch_size: int = 16
+  segment_tokens: int = 0
   chunk_size: int = 64
   loop_max_period: int = 64
   loop_min_repeats: int = 3
@@ -127,7 +129,7 @@ class DistillOptions:
         (self.num_prompts >= 0, "num_prompts must be >= 0 (0 = every prompt)", "num_prompts=0"),
         (self.batch_size >= 1, "batch_size must be >= 1", "batch_size=32"),
         (self.chunk_size >= 1, "chunk_size must be >= 1", "chunk_size=64"),
-        (self.segment_tokens >= 0, "segment_tokens must be >= 0 (0 = the whole budget at once)", "segment_tokens=64"),
+        (self.segment_tokens >= 0, "segment_tokens must be >= 0 (0 = the whole budget at once)", "segment_tokens=0"),
         (self.loop_max_period >= 0, "loop_max_period must be >= 0 (0 = off)", "loop_max_period=64"),
         (self.loop_min_repeats >= 2, "loop_min_repeats must be >= 2", "loop_min_repeats=3"),
         (self.loop_min_tokens >= 0, "loop_min_tokens must be >= 0", "loop_min_tokens=32"),
@@ -270,13 +272,14 @@ def _seed(seed: int, *parts: int) -> int:
 
 def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: DistillOptions,
                    seed_parts: tuple[int, ...] = (), log_prefix: str = "") -> tuple[list[Answer], dict[str, float]]:
-  """Answers prompts in length-sorted batches, a segment of tokens at a time; answers come in input order.
+  """Answers prompts in length-sorted batches; answers come in input order.
 
-  Every round decodes up to `segment_tokens` more tokens for each unfinished prompt (its prompt plus what it
-  has so far, re-read in one prefill) in batches of prompts of similar length. A prompt is finished at EOS,
-  at `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`): the loop would be cut
-  anyway. Finished rows leave, so the next round's batches hold live rows only, instead of every batch
-  decoding until its longest answer ends. Greedy answers are those of one `generate` call per prompt.
+  With `segment_tokens` = 0, one `generate` call per batch decodes the whole budget. Otherwise every round
+  decodes up to `segment_tokens` more tokens for each unfinished prompt (its prompt plus what it has so far,
+  re-read in one prefill) in batches of prompts of similar length. A prompt is finished at EOS, at
+  `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`: the loop would be
+  cut anyway). Finished rows leave, so the next round's batches hold live rows only. Greedy answers are those
+  of one `generate` call per prompt either way.
 
   Args:
     target: the target (its tokenizer decodes the answers).
@@ -330,8 +333,8 @@ def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: Di
 def _finished(tokens: list[int], target: Target, options: DistillOptions) -> bool:
   if len(tokens) >= options.max_new_tokens or (tokens and tokens[-1] in target.eos_token_ids):
     return True
-  return bool(options.loop_max_period) and repetition.find_loop(tokens, options.loop_max_period, options.loop_min_repeats,
-                                                     options.loop_min_tokens) is not None
+  return bool(options.loop_max_period) and repetition.find_loop(
+      tokens, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens) is not None
 
 
 def _new_stats() -> dict[str, Any]:
