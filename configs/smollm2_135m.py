@@ -253,7 +253,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.eval_every = 50
     c.train.eval_batches = 4
     c.train.checkpoint_every = 25
+  elif arg == "recipe":
+    # The recipe sweep's base cell (experiments/sweep_recipe.py, BENCHMARKS.md): offline from a feature store
+    # of self-distilled answers (give --config.data.source=distilled:D and --config.train.features=S, the
+    # store extracted from that data with these data settings). Prompts <= 192 tokens + answers <= 320.
+    c.data.max_length = 512
+    c.draft_model.vocab_size = 8192
+    c.train.num_steps = 300
+    c.train.lr = 1e-3
+    c.train.warmup_steps = 20
+    c.train.ttt_steps = 5
+    c.train.eval_ttt_steps = 5  # every cell evaluated 5 deep, whatever K it trains with
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_batches = 8
+    c.train.checkpoint_every = 50
+    c.distill.max_new_tokens = 320
+    c.distill.max_prompt_tokens = 192
+    c.features.depths = "2,15,27"
   elif arg:
-    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo' or "
-                     "nothing.")
+    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe' "
+                     "or nothing.")
   return c
