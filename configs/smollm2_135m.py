@@ -131,6 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.end_lr_fraction = 0.0  # the cosine decay ends at this fraction of lr (1 = constant)
   c.train.freeze_head = False  # keep the LM head as initialised from the target's rows
   c.train.eval_ttt_steps = 0  # held-out evaluation depth (0 = ttt_steps)
+  c.train.eval_features = ""  # evaluate on this store's heldout split (default: train.features')
   c.train.features = ""  # a feature store (experiments/extract_features.py): train offline, no target in the step
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------

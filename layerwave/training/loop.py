@@ -120,18 +120,26 @@ def load_data(data: DataOptions, target: Target):
 
 
 def load_store(path: str, data: DataOptions, target: Target, record: selection_lib.LayerSelection,
-               target_dtype: str):
+               target_dtype: str, own_data: bool = False):
   """Opens and checks a feature store for this run; returns (store, train split, held-out split or None).
+
+  Args:
+    path, data, target, record, target_dtype: the store and what this run trains.
+    own_data: accept the store's own data (`train.eval_features`: a held-out split of other text); the target,
+      tokenizer, layers and sequence length are checked all the same.
 
   Raises:
     features.StoreError: the store cannot stand in for the target here (see `features.check_for_training`).
   """
   store = features_lib.open_store(path)
+  data_dict = dataclasses.asdict(data)
+  if own_data:
+    data_dict = {**store.header.get("data", {}), "max_length": data.max_length}
   features_lib.check_for_training(
       store, target_config=target.config, target_dtype=target_dtype,
       target_fingerprint=target_fingerprint(target),
       tokenizer_fingerprint=data_lib.tokenizer_fingerprint(target.tokenizer), layer_ids=record.ids,
-      data=dataclasses.asdict(data))
+      data=data_dict)
   heldout = store.split("heldout", data.max_length) if store.counts("heldout")[0] else None
   return store, store.split("train", data.max_length), heldout
 
@@ -201,6 +209,7 @@ def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
   mean["acc_j"] = sums["hits_j"] / np.maximum(sums["tokens_j"], 1.0)
   mean["acc_in_vocab_j"] = sums["hits_j"] / np.maximum(sums["in_vocab_j"], 1.0)
   mean["sim_tau"] = float(losses.simulated_tau(mean["acc_j"]))
+  mean["predicted_positions"] = float(sums["tokens_j"][0])  # what the accuracies pool (first depth)
   for count in ("tokens", "hits_j", "tokens_j", "in_vocab_j"):
     mean.pop(count, None)
   return mean
@@ -230,6 +239,11 @@ def run(config, workdir: str) -> dict[str, Any]:
   if t.features:
     store, train_source, heldout = load_store(t.features, data, target, record, config.dtype)
     dataset_name = store.header["dataset"]
+    if t.eval_features:
+      _, _, heldout = load_store(t.eval_features, data, target, record, config.dtype, own_data=True)
+      if heldout is None:
+        raise ValueError(f"train.eval_features={t.eval_features} has no heldout split to evaluate on; extract "
+                         "it with features.splits including heldout.")
   else:
     dataset, train_source, heldout = load_data(data, target)
     dataset_name = dataset.name
@@ -345,7 +359,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   if last:
     result.update({"heldout_acc": [float(a) for a in last["acc_j"]],
                    "heldout_acc_in_vocab": [float(a) for a in last["acc_in_vocab_j"]],
-                   "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"])})
+                   "heldout_sim_tau": float(last["sim_tau"]), "heldout_loss": float(last["loss"]),
+                   "heldout_positions": int(last["predicted_positions"])})
   return result
 
 

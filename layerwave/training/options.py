@@ -61,13 +61,15 @@ class TrainOptions:
     freeze_head: keep the draft's LM head as initialised (`draft_model.init_from_target`: the target's rows).
     eval_ttt_steps: unrolled steps of the held-out evaluation (0 = `ttt_steps`); a fixed value compares drafts
       trained with different K at the same draft depth.
+    eval_features: evaluate on this store's heldout split instead of `features`' (e.g. drafts trained on
+      different text, all evaluated on the target's own answers); needs `features`.
     features: a feature store directory (experiments/extract_features.py) to train from offline, with no
       target in the step; "" = online (the target runs in every step).
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
   RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
-                                          "eval_ttt_steps", "checkpoint_every")
+                                          "eval_ttt_steps", "eval_features", "checkpoint_every")
 
   batch_size: int
   num_steps: int
@@ -89,11 +91,13 @@ class TrainOptions:
   end_lr_fraction: float = 0.0
   freeze_head: bool = False
   eval_ttt_steps: int = 0
+  eval_features: str = ""
   features: str = ""
 
   # Fields added after workdirs existed: left out of fingerprints while they hold these defaults, so those
   # workdirs still resume.
-  LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0}
+  LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0,
+                                   "eval_features": ""}
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
@@ -113,6 +117,8 @@ class TrainOptions:
                f"--config.train.{name}={0.9 if name == 'b1' else 0.95}.")
     _require(0 < self.decay <= 1, f"train.decay must be in (0, 1], got {self.decay}; EAGLE-3 uses "
              "--config.train.decay=0.8.")
+    _require(not self.eval_features or bool(self.features), "train.eval_features evaluates offline; it needs "
+             "train.features (a store to train from). Unset --config.train.eval_features to evaluate online.")
     _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
              f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
 

@@ -1,0 +1,79 @@
+"""train.eval_features: drafts trained on one store, evaluated on another store's held-out split."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import layerwave
+from layerwave import sharding
+from layerwave.data.options import DataOptions
+from layerwave.training import features
+from layerwave.training import loop
+from layerwave.training import losses
+from layerwave.training import step as step_lib
+from tests.training.features_test import LAYERS, tiny_config
+
+OTHER = DataOptions(source="sharegpt", max_length=64, max_records=40, heldout_fraction=0.5, split_seed=7)
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_chat_target_dir, tmp_path_factory):
+  target = layerwave.load_target(tiny_chat_target_dir)
+  base = tiny_config(tiny_chat_target_dir)
+  own = DataOptions(**{k: base.data[k] for k in ("source", "max_length", "max_records", "heldout_fraction",
+                                                 "split_seed")})
+  out = []
+  for name, data in (("train", own), ("other", OTHER)):
+    path = str(tmp_path_factory.mktemp("stores") / name)
+    features.extract(target, data.build(target.tokenizer), path, depths=LAYERS, dtype="float32", batch_size=4,
+                     shard_sequences=8, data=dataclasses.asdict(data))
+    out.append(path)
+  return target, out[0], out[1]
+
+
+def test_evaluation_reads_the_other_store_and_training_is_unchanged(stores, tiny_chat_target_dir, tmp_path):
+  target, train_store, other = stores
+  def config(**train):
+    c = tiny_config(tiny_chat_target_dir, features=train_store, **train)
+    c.draft_model.vocab_size = target.config.vocab_size  # every position counts: the loss is far from zero
+    return c
+
+  own = loop.run(config(), str(tmp_path / "own"))
+  cross = loop.run(config(eval_features=other, eval_batches=50), str(tmp_path / "cross"))
+  a = jax.tree.leaves(nnx.state(layerwave.load_draft(str(tmp_path / "own"), target), nnx.Param))
+  b = jax.tree.leaves(nnx.state(layerwave.load_draft(str(tmp_path / "cross"), target), nnx.Param))
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)  # where it is evaluated does not change what is trained
+  assert own["step"] == cross["step"] == 4
+  # Recount the cross evaluation by hand: every held-out sequence of the other store, pooled.
+  draft = layerwave.load_draft(str(tmp_path / "cross"), target)
+  graphdef, params, vocab, embed = step_lib.split_draft(draft)
+  store = features.open_store(other)
+  heldout = store.split("heldout", 64)
+  assert len(heldout) != len(features.open_store(train_store).split("heldout", 64))
+  it = features.FeatureBatchIterator(heldout, store.layer_slots(LAYERS), batch_size=2, seq_len=64,
+                                     pad_id=int(target.tokenizer.pad_token_id or 0), shuffle=False,
+                                     drop_remainder=False, num_epochs=1)
+  ids = np.arange(draft.config.draft_vocab_size) + np.asarray(draft.d2t[...])
+  head_rows = np.take(np.asarray(loop.target_head(target)), ids, axis=1)
+  hits = tokens = 0.0
+  batch_losses = []
+  for batch in it:
+    m = step_lib.eval_step_offline(params, vocab, embed, head_rows, features.device_arrays(batch, target.mesh),
+                                   draft_graphdef=graphdef, steps=2, decay=0.8, assistant_only=True)
+    hits, tokens = hits + np.asarray(m["hits_j"]), tokens + np.asarray(m["tokens_j"])
+    batch_losses.append(float(m["loss"]))
+  assert len(batch_losses) == -(-len(heldout) // 2) and np.sum(tokens) > 0
+  assert cross["heldout_positions"] == int(tokens[0]) != own["heldout_positions"]
+  assert cross["heldout_loss"] == pytest.approx(np.mean(batch_losses), rel=1e-5)
+  np.testing.assert_allclose(cross["heldout_acc"], hits / np.maximum(tokens, 1), rtol=1e-6)
+  assert cross["heldout_sim_tau"] == pytest.approx(float(losses.simulated_tau(hits / np.maximum(tokens, 1))))
+
+
+def test_eval_features_needs_a_training_store(tiny_chat_target_dir, tmp_path, stores):
+  _, _, other = stores
+  with pytest.raises(ValueError, match="train.eval_features evaluates offline; it needs train.features"):
+    loop.run(tiny_config(tiny_chat_target_dir, eval_features=other), str(tmp_path))
