@@ -11,6 +11,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -410,3 +412,25 @@ def test_offline_training_resumes_exactly_and_equals_online_training(store32, ti
     np.testing.assert_allclose(a, b, atol=1e-4)
   meta = ckpt_lib.Checkpointer(str(tmp_path / "full" / "checkpoints")).read_meta()
   assert meta["feature_store"] == features.open_store(store32).fingerprint
+
+
+def test_launchers_extract_then_train_offline(tiny_chat_target_dir, tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  common = ["--config=" + os.path.join(root, "configs", "smollm2_135m.py") + ":smoke",
+            "--config.model=" + tiny_chat_target_dir, "--config.layers=2,4,6"]
+
+  def launch(script, *args):
+    return subprocess.run([sys.executable, os.path.join(root, "experiments", script), *common, *args], check=True,
+                          cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": root})
+
+  out = launch("extract_features.py", "--config.features.dir=" + str(tmp_path / "store"))
+  assert json.loads(out.stdout)["tokens_computed"] > 0
+  store = features.open_store(str(tmp_path / "store"))
+  assert store.depths == (2, 4, 6, 8) and store.dtype == "bfloat16" and store.seq_len == 128
+  assert "Feature store" in out.stderr and "bytes/token" in out.stderr  # the size, printed up front
+  again = launch("extract_features.py", "--config.features.dir=" + str(tmp_path / "store"))
+  assert json.loads(again.stdout)["tokens_computed"] == 0  # finished shards are skipped
+  launch("train_draft.py", "--workdir=" + str(tmp_path / "w"), "--config.train.features=" + str(tmp_path / "store"))
+  lines = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")]
+  assert any("eval/sim_tau" in l for l in lines) and max(l.get("step", 0) for l in lines) == 6

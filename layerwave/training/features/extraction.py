@@ -310,9 +310,10 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
         hidden, final, argmax = _host_local(hidden, 1), _host_local(final, 0), _host_local(argmax, 0)
         for r in range(len(idx)):
           m = int(batch.attention_mask[r].sum())
-          pieces["hidden"].append(hidden[:, r, :m])
-          pieces["final"].append(final[r, :m])
-          pieces["argmax"].append(argmax[r, :m])
+          # Copies of the real tokens only, so that the padded batch arrays are freed.
+          pieces["hidden"].append(hidden[:, r, :m].copy())
+          pieces["final"].append(final[r, :m].copy())
+          pieces["argmax"].append(argmax[r, :m].copy())
           pieces["input_ids"].append(batch.input_ids[r, :m])
           pieces["assistant_mask"].append(batch.assistant_mask[r, :m].astype(np.uint8))
           lengths.append(m)
