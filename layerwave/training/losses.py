@@ -55,7 +55,8 @@ def argmax(x: jax.Array, block: int = 1024) -> jax.Array:
 
 
 def target_targets(target_logits: jax.Array, draft: Draft) -> tuple[jax.Array, jax.Array]:
-  """Target log-probs over the draft vocabulary `[B, T, V_d]` and whether its argmax is in it `[B, T]`."""
+  """From the target's logits `[B, T, V]`: its log-probs over the draft vocabulary `[B, T, V_d]` and whether its
+  argmax is in it `[B, T]`."""
   in_vocab = jnp.take(draft.t2d[...], argmax(target_logits))
   restricted = jnp.take(target_logits, draft.draft_token_ids(), axis=-1)
   return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab

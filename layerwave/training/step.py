@@ -16,6 +16,8 @@ it is the target's).
 The optimizer enters the jitted step as its hyperparameters (`OptimizerSettings`, hashable and compared by
 value), and the step builds the optax chain inside the trace: equal settings share one compilation, where an
 optax transformation, a new object per call, would compile the step anew every time one is built.
+
+Legend (`layerwave.axes`): B batch, T tokens, k selected layers, D target width, V_d draft vocabulary.
 """
 
 from __future__ import annotations

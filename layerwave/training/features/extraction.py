@@ -18,7 +18,7 @@ every process extracts its own slice of every split (sequences p, p + P, p + 2P,
 own shards (the process index is in their names) and a manifest part; the reader merges the parts. On a TPU
 pod this needs a filesystem all hosts share (README, "Devices").
 
-Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
+Legend (`layerwave.axes`): T tokens, L target layers.
 """
 
 from __future__ import annotations

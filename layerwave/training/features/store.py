@@ -26,7 +26,7 @@ L = the final norm. bfloat16 arrays are saved as their uint16 bit pattern (numpy
 memory-maps the shards (`np.load(mmap_mode='r')`) and orders sequences by their dataset index, so a store
 reads the same whatever the number of processes that wrote it.
 
-Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width.
+Legend (`layerwave.axes`): L target layers, D target width.
 """
 
 from __future__ import annotations
