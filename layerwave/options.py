@@ -2,9 +2,17 @@
 
 Each stage's options are a frozen dataclass (`training.options.TrainOptions`, `data.options.DataOptions`,
 ...); `from_section(Options, config.train, "train")` builds one from its config section, converting every
-field to its annotated type (int, float, bool, str, tuple of ints) and refusing a missing field or a value of
-the wrong kind with one error that names `section.field`. The dataclass' own `__post_init__` then checks
-ranges. Library code reads the typed fields and casts nothing.
+field to its annotated type and refusing a missing field or a value of the wrong kind with one error that
+names `section.field`. The dataclass' own `__post_init__` then checks ranges. Library code reads the typed
+fields and casts nothing.
+
+Field types: int, float, bool, str, a tuple of one of int / float / str (`tuple[int, ...]`), or a tuple of
+tuples of ints (`tuple[tuple[int, ...], ...]`, lists of layer sets). A tuple field takes a tuple or list, or
+the command-line forms: `--config.layers=2,15,27` and `--config.layers='(2,15,27)'` both reach the config as
+`(2, 15, 27)` (ml_collections' tuple parser), `--config.compare.sets=eagle3,greedy` as
+`('eagle3,greedy',)` (a bare word is not a Python literal), and an old comma string `"2,15,27"` stays a
+string; each string item is split at commas, empty items are dropped. A tuple of tuples also takes
+';'-separated sets (`"2,15,27;5,18,29"`) or one flat set (`(2, 15, 27)`).
 """
 
 from __future__ import annotations
@@ -13,31 +21,112 @@ import dataclasses
 import hashlib
 import json
 import typing
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["convert", "fingerprint", "from_section"]
+__all__ = ["LEGACY_STRING_FIELDS", "convert", "fingerprint", "from_section", "legacy_config_json"]
 
-_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+# What each tuple kind looks like, for errors.
+_EXAMPLES = {int: "comma-separated integers like 2,15,27 (or a tuple (2, 15, 27))",
+             float: "comma-separated numbers like 0.25,4 (or a tuple (0.25, 4.0))",
+             str: "comma-separated names like eagle3,greedy (or a tuple ('eagle3', 'greedy'))"}
+_SETS_EXAMPLE = ("';'-separated id lists like '2,15,27;5,18,29' (or a tuple of tuples "
+                 "((2, 15, 27), (5, 18, 29)))")
 
 
-def _convert(value: Any, kind: str, where: str) -> Any:
-  if kind == "bool":
+def _scalar(value: Any, kind: type, where: str) -> Any:
+  if kind is bool:
     if isinstance(value, bool):
       return value
     raise ValueError(f"{where} must be True or False, got {value!r}.")
-  if kind == "int":
+  if kind is int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
       raise ValueError(f"{where} must be an integer, got {value!r}.")
     return int(value)
-  if kind == "float":
+  if kind is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ValueError(f"{where} must be a number, got {value!r}.")
     return float(value)
-  if kind == "str":
+  if kind is str:
     if not isinstance(value, str):
       raise ValueError(f"{where} must be a string, got {value!r}.")
     return value
   raise TypeError(f"{where}: no conversion for field type {kind!r}.")
+
+
+def _items(value: Any) -> list[Any]:
+  """The items of a list-like value: tuple / list entries, string entries split at commas, '' dropped."""
+  entries = list(value) if isinstance(value, (tuple, list)) else [value]
+  out = []
+  for entry in entries:
+    if isinstance(entry, str):
+      out += [s.strip() for s in entry.split(",") if s.strip()]
+    else:
+      out.append(entry)
+  return out
+
+
+def _item(value: Any, kind: type) -> Any:
+  """One tuple item as `kind`; a string from the comma form is read as a number for int / float."""
+  if kind is str:
+    if not isinstance(value, str):
+      raise ValueError
+    return value
+  if isinstance(value, str):
+    value = float(value)  # ValueError for 'a'; '2' and '2.0' are both the integer 2
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError
+  if kind is int:
+    if float(value) != int(value):
+      raise ValueError
+    return int(value)
+  return float(value)
+
+
+def _tuple(value: Any, kind: type, where: str) -> tuple:
+  if value is None or not isinstance(value, (tuple, list, str, int, float)):
+    raise ValueError(f"{where} must be {_EXAMPLES[kind]}, got {value!r}.")
+  try:
+    return tuple(_item(v, kind) for v in _items(value))
+  except (TypeError, ValueError, OverflowError) as e:
+    raise ValueError(f"{where} must be {_EXAMPLES[kind]}, got {value!r}.") from e
+
+
+def _sets(value: Any, where: str) -> tuple[tuple[int, ...], ...]:
+  """Sets of ints: "1,2,3;4,5,6", ((1, 2, 3), (4, 5, 6)), ("1,2,3", "4,5,6") or one flat set (1, 2, 3)."""
+  if isinstance(value, str):
+    chunks = [c for c in value.split(";") if c.strip()]
+  elif isinstance(value, (tuple, list)) and value and not any(isinstance(v, (tuple, list, str)) for v in value):
+    chunks = [value]  # one set given flat, e.g. --config.compare.manual=2,15,27
+  elif isinstance(value, (tuple, list)):
+    chunks = [c for v in value for c in (v.split(";") if isinstance(v, str) else [v])]
+    chunks = [c for c in chunks if not isinstance(c, str) or c.strip()]
+  else:
+    raise ValueError(f"{where} must be {_SETS_EXAMPLE}, got {value!r}.")
+  try:
+    return tuple(tuple(_item(v, int) for v in _items(c)) for c in chunks)
+  except (TypeError, ValueError, OverflowError) as e:
+    raise ValueError(f"{where} must be {_SETS_EXAMPLE}, got {value!r}.") from e
+
+
+def convert(value: Any, kind: Any, where: str) -> Any:
+  """`value` as `kind`, or one ValueError naming the config field `where` and the expected form.
+
+  Args:
+    value: a config value.
+    kind: int, float, bool, str, a tuple of one of int / float / str (`tuple[int, ...]`), or
+      `tuple[tuple[int, ...], ...]` (the module docstring lists the forms a tuple accepts).
+    where: the field's name in errors ("train.lr", "--config.layers").
+  """
+  if typing.get_origin(kind) is tuple:
+    args = typing.get_args(kind)
+    if len(args) == 2 and args[1] is Ellipsis:
+      if args[0] in _EXAMPLES:
+        return _tuple(value, args[0], where)
+      if args[0] == tuple[int, ...]:
+        return _sets(value, where)
+    raise TypeError(f"{where}: no conversion for field type {kind!r}.")
+  return _scalar(value, kind, where)
 
 
 def fingerprint(value: Any) -> str:
@@ -47,18 +136,46 @@ def fingerprint(value: Any) -> str:
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-def convert(value: Any, kind: type, where: str) -> Any:
-  """`value` as `kind` (int, float, bool or str), or a ValueError naming the config field `where`."""
-  return _convert(value, kind.__name__, where)
+# Config fields that were comma strings until they became tuples (issue 11); `compare.manual` still is one.
+LEGACY_STRING_FIELDS = ("layers", "analysis.strategies", "compare.sets", "compare.lams", "compare.datasets",
+                        "compare.temperatures", "compare.manual")
 
 
-def from_section(cls, section, name: str, **overrides):
+def _legacy_string(value: Any) -> Any:
+  """A list field as the old configs wrote it: (2, 15, 27) → "2,15,27", (0.25, 4.0) → "0.25,4",
+  ((1, 2), (3, 4)) → "1,2;3,4"; a string stays as it is."""
+  if not isinstance(value, (list, tuple)):
+    return value
+  if any(isinstance(v, (list, tuple)) for v in value):
+    return ";".join(_legacy_string(v) for v in value)
+  return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+
+
+def legacy_config_json(config) -> dict:
+  """The config as JSON with each of `LEGACY_STRING_FIELDS` back in its old comma-string form.
+
+  Workdirs written before those fields were tuples recorded a hash of this (training's and the comparison's
+  fingerprints); the stages accept it beside the hash of their typed options, so such workdirs resume.
+  """
+  d = json.loads(config.to_json_best_effort())
+  for path in LEGACY_STRING_FIELDS:
+    *parents, leaf = path.split(".")
+    node = d
+    for p in parents:
+      node = node.get(p) if isinstance(node, dict) else None
+    if isinstance(node, dict) and leaf in node:
+      node[leaf] = _legacy_string(node[leaf])
+  return d
+
+
+def from_section(cls, section, name: str, *, aliases: Mapping[str, str] | None = None, **overrides):
   """`cls(**fields)` from a ConfigDict (or dict) section, each field converted to its annotated type.
 
   Args:
-    cls: a dataclass whose fields are int, float, bool or str.
+    cls: a dataclass whose fields have the types `convert` takes.
     section: the config section (`config.train`); fields it lacks take the dataclass' defaults.
     name: the section's name in errors ("train" → "train.lr must be a number, got 'x'").
+    aliases: field → the config key that holds it, where the names differ ({"halves": "stability"}).
     **overrides: values that replace the section's (already typed).
 
   Raises:
@@ -72,10 +189,10 @@ def from_section(cls, section, name: str, **overrides):
     if f.name in overrides:
       kwargs[f.name] = overrides[f.name]
       continue
-    if f.name not in section:
+    key = (aliases or {}).get(f.name, f.name)
+    if key not in section:
       if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-        raise ValueError(f"Config section {name!r} lacks the field {name}.{f.name}.")
+        raise ValueError(f"Config section {name!r} lacks the field {name}.{key}.")
       continue
-    kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
-    kwargs[f.name] = _convert(section[f.name], kind, f"{name}.{f.name}")
+    kwargs[f.name] = convert(section[key], hints[f.name], f"{name}.{key}")
   return cls(**kwargs)

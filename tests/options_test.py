@@ -49,3 +49,61 @@ def test_fingerprint_is_the_hash_workdirs_already_record():
   old = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]  # training's, compare's
   assert options.fingerprint(d) == old == options.fingerprint(dict(reversed(list(d.items()))))
   assert options.fingerprint(d) != options.fingerprint({**d, "model": "n"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lists:
+  ids: tuple[int, ...] = ()
+  lams: tuple[float, ...] = ()
+  names: tuple[str, ...] = ()
+  sets: tuple[tuple[int, ...], ...] = ()
+  on: bool = True
+
+
+@pytest.mark.parametrize("value", [(2, 15, 27), [2, 15, 27], "2,15,27", " 2, 15 ,27", ("2,15,27",), (2.0, "15", 27)])
+def test_a_tuple_field_takes_a_tuple_or_a_command_line_form(value):
+  # ml_collections turns --config.x=2,15,27 and --config.x='(2,15,27)' into (2, 15, 27); an old config's
+  # comma string stays a string.
+  assert options.convert(value, tuple[int, ...], "x") == (2, 15, 27)
+
+
+def test_tuple_fields_of_each_kind():
+  got = options.from_section(_Lists, {"lams": ("0.25,4",), "names": ("eagle3,greedy",), "sets": "1,2;3, 4"},
+                             "sec")
+  assert got == _Lists(lams=(0.25, 4.0), names=("eagle3", "greedy"), sets=((1, 2), (3, 4)))
+  assert options.from_section(_Lists, {"ids": ("",), "lams": "", "sets": ""}, "sec") == _Lists()  # emptied
+  assert options.convert(((1, 2), (3, 4)), tuple[tuple[int, ...], ...], "s") == ((1, 2), (3, 4))
+  assert options.convert((5, 6, 7), tuple[tuple[int, ...], ...], "s") == ((5, 6, 7),)  # one set, flat
+  assert options.convert(("1,2", "3,4"), tuple[tuple[int, ...], ...], "s") == ((1, 2), (3, 4))
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"ids": "2,x"}, r"sec\.ids must be comma-separated integers like 2,15,27 \(or a tuple"),
+    ({"ids": (2.5,)}, r"sec\.ids must be comma-separated integers"),
+    ({"ids": None}, r"sec\.ids must be comma-separated integers"),
+    ({"lams": "fast"}, r"sec\.lams must be comma-separated numbers"),
+    ({"names": (1, 2)}, r"sec\.names must be comma-separated names"),
+    ({"sets": "1,a;2"}, r"sec\.sets must be ';'-separated id lists"),
+])
+def test_a_bad_tuple_is_one_error_naming_the_field_and_the_form(section, message):
+  with pytest.raises(ValueError, match=message):
+    options.from_section(_Lists, section, "sec")
+
+
+def test_aliases_read_a_field_under_its_config_name():
+  assert options.from_section(_Lists, {"enabled": False}, "sec", aliases={"on": "enabled"}).on is False
+  with pytest.raises(ValueError, match=r"sec\.enabled must be True or False"):
+    options.from_section(_Lists, {"enabled": 1}, "sec", aliases={"on": "enabled"})
+
+
+def test_legacy_config_json_writes_list_fields_as_the_old_comma_strings():
+  c = ml_collections.ConfigDict({"layers": (2, 15, 27), "mesh": (("data", -1),), "train": {"lr": 0.1},
+                                 "compare": {"lams": (0.25, 4.0), "temperatures": (0.0, 1.0), "sets": ("a", "b"),
+                                             "manual": "1,2;3,4", "datasets": ()},
+                                 "analysis": {"strategies": "eagle3,greedy"}})
+  d = options.legacy_config_json(c)
+  assert d["layers"] == "2,15,27" and d["mesh"] == [["data", -1]] and d["train"] == {"lr": 0.1}
+  assert d["compare"] == {"lams": "0.25,4", "temperatures": "0,1", "sets": "a,b", "manual": "1,2;3,4",
+                          "datasets": ""}
+  assert d["analysis"]["strategies"] == "eagle3,greedy"  # already a string: unchanged
+  assert options.legacy_config_json(ml_collections.ConfigDict({"seed": 0})) == {"seed": 0}
