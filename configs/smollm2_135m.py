@@ -12,6 +12,12 @@
 Each stage reads only its own section (`analysis`, `train` + `draft_model`, `speculate`) plus the shared
 fields at the top. Layer ids use the HF hidden-state convention (README): index 0 = embeddings, i = output
 of block i-1, L = final norm. For SmolLM2, L = 30 and EAGLE-3's rule gives [2, 15, 27].
+
+List fields are tuples (`layers`, `analysis.strategies`, `compare.sets` / `lams` / `datasets` /
+`temperatures`); on the command line give them comma-separated (`--config.layers=2,15,27`,
+`--config.compare.sets=eagle3,greedy`) or as a tuple (`--config.layers='(2,15,27)'`); `--config.layers=`
+empties one. `compare.manual` stays a ';'-separated string (`--config.compare.manual='1,2,3;27,28,29'`):
+ml_collections' tuple parser refuses ';', and a tuple of tuples needs quoted parentheses.
 """
 
 import ml_collections
@@ -20,12 +26,12 @@ import ml_collections
 def _selected_vs_baseline(compare: ml_collections.ConfigDict) -> None:
   """A two-set comparison: the exhaustive selection against EAGLE-3's layers, one seed, greedy, MT-bench,
   with the speedup against plain decoding."""
-  compare.sets = "eagle3,exhaustive"
-  compare.lams = ""
+  compare.sets = ("eagle3", "exhaustive")
+  compare.lams = ()
   compare.num_random = 0
   compare.seeds = 1
-  compare.datasets = "mtbench"
-  compare.temperatures = "0"
+  compare.datasets = ("mtbench",)
+  compare.temperatures = (0.0,)
   compare.speedup = True
 
 
@@ -96,12 +102,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.analysis.k = 3
   c.analysis.lam = 1.0
   c.analysis.min_gap = 0
-  c.analysis.strategies = "eagle3,entropy,greedy,exhaustive,compartment,random"
+  c.analysis.strategies = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "random")
   c.analysis.num_blocks = 0  # compartments: 0 = automatic
   c.analysis.stability = True  # even / odd batches accumulated apart; agreement in layer_stats.json
 
   # -- draft training (experiments/train_draft.py) ------------------------------------------------
-  c.layers = ""  # "2,15,27" (HF convention); empty = take `selection.strategy` from `selection.path`
+  c.layers = ()  # (2, 15, 27) (HF convention); empty = take `selection.strategy` from `selection.path`
   c.selection = ml_collections.ConfigDict()
   c.selection.path = ""  # a selection.json written by experiments/analyze.py
   c.selection.strategy = ""  # which record of that file
@@ -171,18 +177,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # for all) and evaluated with `speculate` (method, K, batch size, top-k/p) on held-out prompts.
   c.compare = ml_collections.ConfigDict()
   c.compare.analysis = ""  # analysis workdir (layer_stats.json); empty = run the analysis into W/analysis
-  c.compare.sets = "eagle3,entropy,greedy,exhaustive,compartment,nofilter,entropy_only,cka_only"
+  c.compare.sets = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "nofilter", "entropy_only",
+                    "cka_only")
   c.compare.baseline = "eagle3"  # Δτ is paired against this set
   c.compare.ablation_strategy = "exhaustive"  # the strategy nofilter / entropy_only / lams re-run
-  c.compare.lams = "0.25,4"  # λ sweep of the ablation strategy
+  c.compare.lams = (0.25, 4.0)  # λ sweep of the ablation strategy
   c.compare.num_random = 3  # random k-sets (seeds random_seed, random_seed + 1, ...)
   c.compare.random_seed = 1
-  c.compare.manual = ""  # explicit sets, e.g. "1,2,3;27,28,29"
+  c.compare.manual = ""  # explicit sets, ';'-separated: "1,2,3;27,28,29" (a string: see below)
   c.compare.seeds = 3  # training seeds 0..seeds-1 per set (init and data order)
-  c.compare.datasets = "mtbench,humaneval,gsm8k"  # held-out prompts (first turns)
+  c.compare.datasets = ("mtbench", "humaneval", "gsm8k")  # held-out prompts (first turns)
   c.compare.num_prompts = 8  # per dataset
   c.compare.max_prompt_tokens = 256  # prompts longer than this are skipped
-  c.compare.temperatures = "0,1"  # the first is the primary metric
+  c.compare.temperatures = (0.0, 1.0)  # the first is the primary metric
   c.compare.max_new_tokens = 64
   c.compare.speedup = False  # speedup columns: plain vs speculative decoding, paired in every cell
   c.compare.keep_checkpoints = True  # False: delete each cell's checkpoints once its result is written

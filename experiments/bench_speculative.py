@@ -46,7 +46,7 @@ def main(argv):
   s = config.speculate
   base = evaluate.DecodeSettings.from_config(s)
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
-  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", "")),
+  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
   results = []

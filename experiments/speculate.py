@@ -42,7 +42,7 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   if target.tokenizer is None or target.tokenizer.chat_template is None:
     raise ValueError(f"{config.model} has no tokenizer chat template; cannot build chat prompts.")
-  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", "")),
+  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
   items = (evaluate.question_prompt(target.tokenizer, prompt) if prompt else
            evaluate.chat_prompts(target.tokenizer, s.dataset, int(s.num_prompts)))

@@ -86,34 +86,15 @@ class LayerSet:
     return "L" + "-".join(str(i) for i in self.ids)
 
 
-def _split(text: Any) -> tuple[str, ...]:
-  """Items of a comma-separated config string ("eagle3,greedy"), or of a tuple / list."""
-  items = text if isinstance(text, (tuple, list)) else str(text or "").split(",")
-  return tuple(str(s).strip() for s in items if str(s).strip())
-
-
-def _floats(text: Any, field: str) -> tuple[float, ...]:
-  try:
-    return tuple(float(s) for s in _split(text))
-  except ValueError as e:
-    raise ValueError(f"compare.{field} must be comma-separated numbers like '0.25,4', got {text!r}.") from e
-
-
-def _manual(text: Any) -> tuple[tuple[int, ...], ...]:
-  chunks = [c for c in str(text or "").split(";") if c.strip()]
-  try:
-    return tuple(selection_lib.parse_layer_ids(c, "compare.manual") for c in chunks)
-  except ValueError as err:
-    raise ValueError(f"compare.manual must be ';'-separated id lists like '2,15,27;5,18,29', got "
-                     f"{text!r}.") from err
-
-
 @dataclasses.dataclass(frozen=True)
 class CompareOptions:
   """`config.compare`, parsed and validated once (configs/smollm2_135m.py describes every field).
 
-  The comma-separated config strings (`sets`, `lams`, `manual`, `datasets`, `temperatures`) become tuples
-  here; the config keeps its strings so that existing workdirs' fingerprints stay the same.
+  The list fields (`sets`, `lams`, `datasets`, `temperatures`) are tuples in the config; the command line
+  gives them as `--config.compare.sets=eagle3,greedy`, and old comma strings are still read
+  (`layerwave.options`). `manual` stays a ';'-separated string in the config ("1,2,3;27,28,29"): ml_collections'
+  tuple parser refuses ';', and a tuple of tuples would need quoted parentheses on the command line; a tuple
+  of tuples is read too.
   """
 
   sets: tuple[str, ...] = ()
@@ -158,12 +139,8 @@ class CompareOptions:
 
   @classmethod
   def from_config(cls, compare) -> CompareOptions:
-    """From the `compare` section (comma-separated strings or tuples for the list fields)."""
-    lists = {"sets": _split(compare.get("sets")), "lams": _floats(compare.get("lams"), "lams"),
-             "manual": _manual(compare.get("manual")), "datasets": _split(compare.get("datasets")),
-             "temperatures": _floats(compare.get("temperatures"), "temperatures")}
-    return options_lib.from_section(cls, compare, "compare", **{k: v for k, v in lists.items()
-                                                                  if k in compare})
+    """From the `compare` section (tuples, or comma strings, for the list fields)."""
+    return options_lib.from_section(cls, compare, "compare")
 
   @property
   def seed_list(self) -> list[int]:
@@ -313,8 +290,8 @@ def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.Config
   """The training config of one cell: the shared budget, this set's ids and this seed."""
   d = config.to_dict()
   d.pop("compare", None)  # a cell's training must not depend on which other cells exist
+  d["layers"] = tuple(int(i) for i in ids)
   cell = ml_collections.ConfigDict(d)
-  cell.layers = ",".join(str(i) for i in ids)
   cell.selection.path = ""
   cell.selection.strategy = ""
   cell.seed = int(seed)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from layerwave import atomic
+from layerwave import options as options_lib
 
 __all__ = [
     "CONVENTION",
@@ -134,21 +135,16 @@ def as_layer_id(v) -> int:
 
 
 def parse_layer_ids(value: Any, field: str = "layers") -> tuple[int, ...]:
-  """Layer ids from a config value: "2,15,27" (the command-line form), a tuple / list of ints, or one int.
+  """Layer ids given by hand: a tuple / list of ints, the command-line forms, or one int.
 
-  The one parser of layer ids given by hand (`config.layers`, `compare.manual`); validation against a
-  target is `LayerSelection.validate_for`'s.
+  The one parser of `config.layers` and each `compare.manual` set: `(2, 15, 27)`, `[2, 15, 27]`, `"2,15,27"`
+  and `("2,15,27",)` all give `(2, 15, 27)`; `()` and `""` give `()` (no ids given). Conversion is
+  `layerwave.options.convert`'s; validation against a target is `LayerSelection.validate_for`'s.
 
   Raises:
-    ValueError: a non-integer entry, naming `field` and the expected form.
+    ValueError: a non-integer entry, naming `--config.{field}` and the expected form.
   """
-  items = str(value).replace(" ", "").split(",") if isinstance(value, str) else (
-      list(value) if isinstance(value, (tuple, list)) else [value])
-  try:
-    return tuple(as_layer_id(x) for x in items if x != "")
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"--config.{field} must be comma-separated integers like '2,15,27', got "
-                     f"{value!r}.") from e
+  return options_lib.convert(value, tuple[int, ...], f"--config.{field}")
 
 
 @dataclasses.dataclass(frozen=True)

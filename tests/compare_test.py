@@ -111,12 +111,20 @@ def test_compare_options_parse_the_section_once():
   for variant in ("smoke", "compare", "demo"):
     section = configs.load(variant).compare
     opts = compare.CompareOptions.from_config(section)
-    assert opts.sets == tuple(section.sets.split(",")) and opts.seeds == section.seeds
+    assert opts.sets == section.sets and opts.seeds == section.seeds
     assert {f for f in section.keys()} == {f.name for f in dataclasses.fields(opts)}
   opts = compare.CompareOptions.from_config(ml_collections.ConfigDict(
       {"sets": ("eagle3", "greedy"), "lams": (0.5,), "temperatures": "0, 1", "manual": "2,3,4;5, 6,7"}))
   assert opts.sets == ("eagle3", "greedy") and opts.lams == (0.5,) and opts.temperatures == (0.0, 1.0)
   assert opts.manual == ((2, 3, 4), (5, 6, 7)) and opts.seed_list == [0]
+  # What ml_collections makes of --config.compare.sets=eagle3,greedy, --config.compare.lams=0.25,4,
+  # --config.compare.lams= and --config.compare.temperatures=0; a tuple of tuples for manual.
+  opts = compare.CompareOptions.from_config(ml_collections.ConfigDict(
+      {"sets": ("eagle3,greedy",), "lams": ("",), "temperatures": (0,), "manual": ((2, 3, 4), (5, 6, 7))}))
+  assert opts.sets == ("eagle3", "greedy") and opts.lams == () and opts.temperatures == (0.0,)
+  assert opts.manual == ((2, 3, 4), (5, 6, 7))
+  assert compare.CompareOptions.from_config(ml_collections.ConfigDict(
+      {"lams": (0.25, 4), "datasets": ("mtbench", "gsm8k")})).lams == (0.25, 4.0)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -191,7 +199,7 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
   config = _config()
   compare.check_workdir(str(tmp_path), config)
   grown = _config()
-  grown.compare.sets = "eagle3,exhaustive,greedy"
+  grown.compare.sets = ("eagle3", "exhaustive", "greedy")
   grown.compare.seeds = 3
   compare.check_workdir(str(tmp_path), grown)  # more sets / seeds: the same cells, resumable
   other = _config()

@@ -196,10 +196,12 @@ def test_record_sorts_ids():
 
 
 def test_parse_layer_ids_is_the_one_parser_of_hand_given_ids():
-  assert selection.parse_layer_ids("2, 15,27") == (2, 15, 27)  # the command-line form
   assert selection.parse_layer_ids((2, 15, 27)) == selection.parse_layer_ids([2.0, 15, 27]) == (2, 15, 27)
-  assert selection.parse_layer_ids("") == ()
-  with pytest.raises(ValueError, match=r"--config\.layers must be comma-separated integers like '2,15,27'"):
+  # What the command line gives: --config.layers=2,15,27 and '(2,15,27)' both parse to (2, 15, 27) in
+  # ml_collections; an old comma string stays a string.
+  assert selection.parse_layer_ids("2, 15,27") == selection.parse_layer_ids(("2,15,27",)) == (2, 15, 27)
+  assert selection.parse_layer_ids("") == selection.parse_layer_ids(()) == selection.parse_layer_ids(("",)) == ()
+  with pytest.raises(ValueError, match=r"--config\.layers must be comma-separated integers like 2,15,27"):
     selection.parse_layer_ids("2,x,27")
   with pytest.raises(ValueError, match=r"--config\.manual must be"):
     selection.parse_layer_ids("2.5", "manual")

@@ -47,6 +47,8 @@ def run(config, workdir: str) -> dict:
   collect_options = collect.options_from_config(a)
   selection_options = report.selection_options_from_config(a)
   data_options = options_lib.from_section(DataOptions, config.data, "data")
+  split = options_lib.convert(a.split, str, "analysis.split")
+  batch_size = options_lib.convert(a.batch_size, int, "analysis.batch_size")
   sharding.maybe_initialize_distributed(config.distributed)
   mesh = sharding.make_mesh(config.mesh)
   start = time.perf_counter()
@@ -56,17 +58,16 @@ def run(config, workdir: str) -> dict:
     raise ValueError(f"{config.model} has no tokenizer with a chat template; the analysis formats chat data")
   ds = data_options.build(tok)
   pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-  batches = data_lib.BatchIterator(ds.source(a.split), batch_size=int(a.batch_size),
-                                   seq_len=data_options.max_length, pad_id=pad_id, seed=int(a.seed),
-                                   num_epochs=1)
-  logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, a.split,
-               ds.num_examples.get(a.split, 0), a.batch_size, data_options.max_length)
+  batches = data_lib.BatchIterator(ds.source(split), batch_size=batch_size, seq_len=data_options.max_length,
+                                   pad_id=pad_id, seed=collect_options.seed, num_epochs=1)
+  logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, split,
+               ds.num_examples.get(split, 0), batch_size, data_options.max_length)
   result = collect.collect_stats(target, batches, collect_options, mesh)
 
   cfg = target.config
   model = {"name": config.model, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
            "vocab_size": cfg.vocab_size, "dtype": config.dtype}
-  data = {"dataset": ds.name, "split": a.split, "num_examples": dict(ds.num_examples),
+  data = {"dataset": ds.name, "split": split, "num_examples": dict(ds.num_examples),
           "source": data_options.source, "max_length": data_options.max_length,
           "fingerprint": {k: ds.metadata.get(k) for k in ("tokenizer_fingerprint", "records_fingerprint",
                                                           "num_records", "split_seed", "heldout_fraction")}}

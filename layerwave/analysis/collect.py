@@ -43,6 +43,7 @@ import numpy as np
 from absl import logging
 
 from layerwave import inference
+from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.analysis import entropy as entropy_lib
 from layerwave.analysis import stats as stats_lib
@@ -119,18 +120,18 @@ class CollectOptions:
 
 
 def options_from_config(analysis: Any) -> CollectOptions:
-  """`CollectOptions` from a config's `analysis` section (configs/smollm2_135m.py)."""
-  if analysis.normalize not in _NORMALIZE:
-    raise ValueError(f"analysis.normalize must be one of {sorted(_NORMALIZE)}, got {analysis.normalize!r}")
-  return CollectOptions(
-      temperature=float(analysis.temperature), filter_mode=analysis.filter,
-      percentile=float(analysis.percentile), threshold=float(analysis.threshold),
-      calibration_batches=int(analysis.calibration_batches), assistant_only=bool(analysis.assistant_only),
-      alpha=float(analysis.alpha), normalize=_NORMALIZE[analysis.normalize],
-      hsic_batch_size=int(analysis.hsic_batch_size), exact_cka_tokens=int(analysis.exact_cka_tokens),
-      unfiltered=str(analysis.unfiltered), halves=bool(analysis.stability),
-      num_batches=int(analysis.num_batches), max_tokens=int(analysis.max_tokens), seed=int(analysis.seed),
-      log_every=int(analysis.log_every))
+  """`CollectOptions` from a config's `analysis` section (configs/smollm2_135m.py).
+
+  The section names two fields differently (`filter` → `filter_mode`, `stability` → `halves`) and gives
+  `normalize` as "skean" / "none".
+  """
+  normalize = options_lib.convert(analysis.get("normalize", "skean"), str, "analysis.normalize")
+  if normalize not in _NORMALIZE:
+    raise ValueError(f"analysis.normalize must be one of {sorted(_NORMALIZE)}, got {normalize!r}; set "
+                     "--config.analysis.normalize=skean.")
+  return options_lib.from_section(CollectOptions, analysis, "analysis",
+                                  aliases={"filter_mode": "filter", "halves": "stability"},
+                                  normalize=_NORMALIZE[normalize])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,13 +78,8 @@ class SelectionOptions:
 
 
 def selection_options_from_config(analysis: Any) -> SelectionOptions:
-  """`SelectionOptions` from a config's `analysis` section (`strategies` is a comma-separated string)."""
-  strategies = tuple(s.strip() for s in str(analysis.strategies).split(",") if s.strip())
-  return SelectionOptions(
-      strategies=strategies, k=int(analysis.k), lam=float(analysis.lam), min_gap=int(analysis.min_gap),
-      granularity=analysis.granularity, normalized_entropy=bool(analysis.normalized_entropy),
-      cka=analysis.cka, include_embeddings=bool(analysis.include_embeddings),
-      include_final=bool(analysis.include_final), num_blocks=int(analysis.num_blocks), seed=int(analysis.seed))
+  """`SelectionOptions` from a config's `analysis` section (`strategies`: a tuple, or a comma string)."""
+  return options_lib.from_section(SelectionOptions, analysis, "analysis")
 
 
 def data_hash(*parts: Any) -> str:

@@ -70,10 +70,10 @@ def read_selection(path: str, strategy: str, num_layers: int, hidden_size: int
 
 
 def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
-  """The layers to train on: `config.layers` ids, or a strategy from `config.selection.path`."""
+  """The layers to train on: `config.layers` ids, or (when it is empty) a strategy from `config.selection.path`."""
   c = target.config
-  if config.layers:
-    ids = selection_lib.parse_layer_ids(config.layers)
+  ids = selection_lib.parse_layer_ids(config.layers)
+  if ids:
     record = selection_lib.LayerSelection(ids=ids, num_layers=c.num_layers,
                                           hidden_size=c.hidden_size, strategy="manual")
     record.validate_for(c.num_layers, c.hidden_size)

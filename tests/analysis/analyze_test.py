@@ -17,7 +17,7 @@ L, D = 8, 32  # the tiny chat target (tests/conftest.py)
 def test_run_writes_stats_selections_and_plots(tiny_chat_target_dir, tmp_path):
   config = configs.load("smoke")
   config.model = tiny_chat_target_dir
-  config.analysis.strategies = "eagle3,greedy,exhaustive,compartment"
+  config.analysis.strategies = ("eagle3", "greedy", "exhaustive", "compartment")
   workdir = str(tmp_path / "w")
   out = analyze.run(config, workdir)
   with open(os.path.join(workdir, "layer_stats.json")) as f:

@@ -16,6 +16,7 @@ import layerwave
 from layerwave.analysis import collect
 from layerwave.analysis import token_filter
 
+from tests import configs
 from tests.models import hf_reference
 from tests.multidevice import run_on_eight_devices
 
@@ -238,3 +239,18 @@ def test_eight_devices_match_one(tiny, tmp_path):
         np.testing.assert_allclose(multi[kind][name], value, rtol=1e-4, atol=1e-4, err_msg=f"{kind}.{name}")
       else:
         assert multi[kind][name] == value, (kind, name)
+
+
+def test_options_from_the_analysis_section():
+  section = configs.load("smoke").analysis
+  options = collect.options_from_config(section)
+  assert options.filter_mode == section.filter and options.halves == section.stability  # renamed fields
+  assert options.normalize is True and options.percentile == section.percentile
+  assert options.exact_cka_tokens == section.exact_cka_tokens and isinstance(options.percentile, float)
+  section.normalize = "none"
+  assert collect.options_from_config(section).normalize is False
+  section.normalize = "whiten"
+  with pytest.raises(ValueError, match=r"analysis\.normalize must be one of \['none', 'skean'\]"):
+    collect.options_from_config(section)
+  with pytest.raises(ValueError, match=r"analysis\.stability must be True or False"):
+    collect.options_from_config({**section.to_dict(), "normalize": "skean", "stability": 1})

@@ -11,6 +11,8 @@ from layerwave import selection
 from layerwave.analysis import report
 from layerwave.analysis import stats
 
+from tests import configs
+
 L, D = 12, 16
 
 
@@ -70,3 +72,13 @@ def test_options_errors():
   assert report.informativeness(_stats(), report.SelectionOptions(granularity="dataset"))[0] == pytest.approx(
       _stats().dataset_entropy[0])
   assert report.data_hash({"a": 1}, [2]) == report.data_hash({"a": 1}, [2]) != report.data_hash({"a": 2}, [2])
+
+
+def test_selection_options_from_the_analysis_section():
+  section = configs.load("smoke").analysis
+  options = report.selection_options_from_config(section)
+  assert options.strategies == section.strategies and options.k == section.k and options.lam == section.lam
+  section.strategies = ("eagle3,greedy",)  # what ml_collections makes of --config.analysis.strategies=eagle3,greedy
+  assert report.selection_options_from_config(section).strategies == ("eagle3", "greedy")
+  with pytest.raises(ValueError, match=r"analysis\.k must be an integer, got 2\.5"):
+    report.selection_options_from_config({**section.to_dict(), "k": 2.5})

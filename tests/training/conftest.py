@@ -10,7 +10,7 @@ from tests import configs
 def tiny_config(tiny_chat_target_dir):
   c = configs.load("smoke")
   c.model = tiny_chat_target_dir
-  c.layers = "1,2,3"
+  c.layers = (1, 2, 3)
   c.data.max_length = 64
   c.data.max_records = 60
   c.data.heldout_fraction = 0.2

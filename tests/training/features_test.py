@@ -42,7 +42,7 @@ def tiny_config(target_dir, **train):
   """The training config of tests/training/conftest.py, with its `features` section filled in."""
   c = configs.load("smoke")
   c.model = target_dir
-  c.layers = ",".join(map(str, LAYERS))
+  c.layers = LAYERS
   for key, value in dataclasses.asdict(DATA).items():
     c.data[key] = value
   c.draft_model.vocab_size = 256
@@ -233,7 +233,7 @@ def test_resuming_into_a_store_with_other_settings_is_refused(store32, target, d
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda c: setattr(c, "layers", "1,2,4"),
+    (lambda c: setattr(c, "layers", (1, 2, 4)),
      r"has no layer 4: it stores depths \[1, 2, 3, 8\]\. Extract a store with these layers"),
     (lambda c: setattr(c.data, "max_length", 128), r"data\.max_length=128 exceeds the feature store's seq_len "
      r"\(64\).*--config\.data\.max_length=64"),

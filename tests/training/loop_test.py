@@ -81,13 +81,13 @@ def test_load_draft_refuses_another_target(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("edit,error,match", [
-    (lambda c: setattr(c, "layers", "1,9"), ValueError, "out of range"),
-    (lambda c: setattr(c, "layers", "1,1"), ValueError, "duplicate"),
-    (lambda c: setattr(c, "layers", "a,b"), ValueError, "comma-separated integers"),
+    (lambda c: setattr(c, "layers", (1, 9)), ValueError, "out of range"),
+    (lambda c: setattr(c, "layers", (1, 1)), ValueError, "duplicate"),
+    (lambda c: setattr(c, "layers", ("a,b",)), ValueError, r"--config\.layers must be comma-separated integers"),
     (lambda c: setattr(c.data, "max_length", 100000), ValueError, "max_position_embeddings"),
-    (lambda c: (setattr(c, "layers", ""), setattr(c.selection, "path", "/nonexistent.json"),
+    (lambda c: (setattr(c, "layers", ()), setattr(c.selection, "path", "/nonexistent.json"),
                 setattr(c.selection, "strategy", "greedy")), FileNotFoundError, "analyze.py"),
-    (lambda c: setattr(c, "layers", ""), ValueError, "Give the draft's layers"),
+    (lambda c: setattr(c, "layers", ()), ValueError, "Give the draft's layers"),
 ])
 def test_bad_training_inputs(tiny_config, tmp_path, edit, error, match):
   edit(tiny_config)
@@ -99,7 +99,7 @@ def test_selection_file_without_the_strategy(tiny_config, tmp_path):
   path = tmp_path / "selection.json"
   record = {"ids": [1, 3], "num_layers": 8, "hidden_size": 32, "strategy": "greedy"}
   path.write_text(json.dumps({"greedy": record}))
-  tiny_config.layers = ""
+  tiny_config.layers = ()
   tiny_config.selection.path = str(path)
   tiny_config.selection.strategy = "entropy"
   with pytest.raises(ValueError, match=r"no strategy 'entropy'; it has \['greedy'\]"):

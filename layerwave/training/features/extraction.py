@@ -377,8 +377,9 @@ def _write_merged(out_dir: str, header: Mapping[str, Any]) -> None:
 
 def default_depths(config, num_layers: int) -> tuple[int, ...]:
   """The layers the user will train: `config.layers`, else the union of every set in `selection.path`."""
-  if config.layers:
-    return selection_lib.parse_layer_ids(config.layers)
+  ids = selection_lib.parse_layer_ids(config.layers)  # () when none given (--config.layers= gives ('',))
+  if ids:
+    return ids
   path = config.selection.path
   if path and os.path.exists(path):
     with open(path) as f:
