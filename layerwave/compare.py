@@ -45,7 +45,9 @@ from layerwave import options as options_lib
 from layerwave import plots
 from layerwave import selection as selection_lib
 from layerwave.analysis import analyze
+from layerwave.analysis import collect as collect_lib
 from layerwave.analysis import compartments as compartments_lib
+from layerwave.analysis import report as report_lib
 from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
@@ -242,9 +244,50 @@ def layer_sets(record: dict, compare: CompareOptions) -> list[LayerSet]:
 # -- config, fingerprint and resumption --------------------------------------------------------------
 
 
+def fingerprint_settings(config) -> dict[str, Any]:
+  """Every setting that fixes what a cell computes, from the stages' typed options (`dataclasses.asdict`).
+
+  The target (`model`, `dtype`); `compare` less the fields that only add cells (`_GROWABLE`); `data`,
+  `draft_model` and `train` less its run lengths (`_RUN_LENGTH`) and its `LATE_DEFAULTS` at their defaults
+  (`train.features`, the store offline cells read, stays in); the decoding (`speculate` as
+  `DecodeSettings`, less the temperature, which `compare.temperatures` sets, and the timing repeats unless
+  `compare.speedup`); and the analysis only when it runs here (`compare.analysis` empty). Not the mesh, nor
+  the top-level `seed`, `layers`, `selection` and `draft`, which the cells set themselves.
+  """
+  cmp = CompareOptions.from_config(config.compare)
+  out = {"model": config.model, "dtype": config.dtype}
+  out["compare"] = {k: v for k, v in dataclasses.asdict(cmp).items() if k not in _GROWABLE}
+  train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
+  out["train"] = TrainOptions.drop_late_defaults({k: v for k, v in train.items() if k not in _RUN_LENGTH})
+  out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
+                                                                   "draft_model"))
+  out["data"] = dataclasses.asdict(options_lib.from_section(DataOptions, config.data, "data"))
+  decoding = dataclasses.asdict(evaluate_lib.DecodeSettings.from_config(config.speculate,
+                                                                        max_new_tokens=cmp.max_new_tokens))
+  for key in ("temperature", "prompt_width") + (() if cmp.speedup else ("timing_repeats",)):
+    decoding.pop(key)
+  out["speculate"] = {**decoding.pop("spec"), **decoding}  # flat, as the section names its fields
+  if not cmp.analysis:
+    a = config.analysis
+    collect_options = dataclasses.asdict(collect_lib.options_from_config(a))
+    collect_options.pop("log_every")
+    out["analysis"] = {**collect_options, **dataclasses.asdict(report_lib.selection_options_from_config(a)),
+                       "split": options_lib.convert(a.split, str, "analysis.split"),
+                       "batch_size": options_lib.convert(a.batch_size, int, "analysis.batch_size")}
+  return out
+
+
 def fingerprint(config) -> tuple[str, dict]:
-  """Hash of every setting that fixes what a cell computes (set lists, seeds and run lengths excluded)."""
-  d = json.loads(config.to_json_best_effort())
+  """The hash of `fingerprint_settings`, and the settings (recorded in `W/compare.json`)."""
+  d = fingerprint_settings(config)
+  return options_lib.fingerprint(d), d
+
+
+def legacy_fingerprint(config) -> tuple[str, dict]:
+  """The fingerprint comparisons recorded before the typed options, and its settings: a hash of the config's
+  JSON (list fields as comma strings) less set lists, seeds, run lengths and the cells' own fields. Accepted
+  on resume, so that those workdirs still resume."""
+  d = options_lib.legacy_config_json(config)
   for key in _GROWABLE:
     d.get("compare", {}).pop(key, None)
   for key in _RUN_LENGTH:
@@ -269,20 +312,27 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def check_workdir(workdir: str, config) -> None:
-  """Records the config in `W/compare.json`, or refuses a workdir written under a different one."""
+  """Records the config in `W/compare.json`, or refuses a workdir written under a different one.
+
+  A workdir's recorded fingerprint is accepted when it is the current one or the legacy one
+  (`legacy_fingerprint`, what comparisons recorded before the typed options).
+  """
   value, d = fingerprint(config)
   path = os.path.join(workdir, "compare.json")
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    if old.get("fingerprint") != value:
-      a, b = _flat(old.get("settings", {})), _flat(d)
-      diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-      raise ValueError(f"{workdir} holds comparison results of a different config (fingerprint "
-                       f"{old.get('fingerprint')} vs {value}; differing fields: {', '.join(diff[:8])}"
-                       f"{' ...' if len(diff) > 8 else ''}). Resume with the same config or use a new "
-                       "--workdir.")
-    return
+    legacy, legacy_d = legacy_fingerprint(config)
+    if old.get("fingerprint") in (value, legacy):
+      return
+    recorded = _flat(old.get("settings", {}))
+    # Name the differing fields against whichever form (current or legacy) the workdir recorded.
+    diff = min(([k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
+                for now in (_flat(d), _flat(legacy_d))), key=len)
+    raise ValueError(f"{workdir} holds comparison results of a different config (fingerprint "
+                     f"{old.get('fingerprint')} vs {value}; differing fields: {', '.join(diff[:8])}"
+                     f"{' ...' if len(diff) > 8 else ''}). Resume with the same config or use a new "
+                     "--workdir.")
   atomic.write_json(path, {"fingerprint": value, "settings": d})
 
 

@@ -6,6 +6,7 @@ the refusal of a different config.
 """
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -19,6 +20,7 @@ import pytest
 from layerwave import compare
 from layerwave import selection
 from layerwave.speculative import evaluate
+from layerwave.training.options import TrainOptions
 
 from tests import configs
 
@@ -206,6 +208,47 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
   other.train.lr = 0.5
   with pytest.raises(ValueError, match=r"different config .*train\.lr"):
     compare.check_workdir(str(tmp_path), other)
+
+
+def _old_fingerprint(config) -> tuple[str, dict]:
+  """compare.fingerprint as it was before the typed options: a hash of the config's JSON, list fields as
+  comma strings."""
+  d = json.loads(config.to_json_best_effort())
+  for key in ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only"):
+    d["compare"].pop(key)
+  for key in ("stop_after", "log_every", "eval_every", "checkpoint_every"):
+    d["train"].pop(key)
+  for key in ("draft", "layers", "selection", "seed"):
+    d.pop(key)
+  if not d["compare"]["speedup"]:
+    d["speculate"].pop("timing_repeats")
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16], d
+
+
+def test_a_workdir_with_the_legacy_fingerprint_resumes(tmp_path):
+  old_style = _config().to_dict()  # the :smoke config as it was written before its list fields were tuples
+  old_style["analysis"]["strategies"] = "eagle3,entropy,greedy,exhaustive,compartment,random"
+  old_style["compare"].update(sets="eagle3,exhaustive", lams="", datasets="mtbench", temperatures="0")
+  for key in ("distill", "features"):  # what was added since
+    old_style.pop(key)
+  for key in ("features", *TrainOptions.LATE_DEFAULTS):
+    old_style["train"].pop(key)
+  value, settings = _old_fingerprint(ml_collections.ConfigDict(old_style))
+  assert compare.legacy_fingerprint(_config())[0] == value != compare.fingerprint(_config())[0]
+  with open(tmp_path / "compare.json", "w") as f:
+    json.dump({"fingerprint": value, "settings": settings}, f)
+  compare.check_workdir(str(tmp_path), _config())  # resumes
+  grown = _config()
+  grown.compare.sets = ("eagle3", "exhaustive", "greedy")
+  compare.check_workdir(str(tmp_path), grown)  # more sets: the same cells
+  for edit, field in ((lambda c: setattr(c.train, "lr", 0.5), r"train\.lr"),
+                      (lambda c: setattr(c.compare, "temperatures", (0.0, 1.0)), r"compare\.temperatures")):
+    other = _config()
+    edit(other)
+    with pytest.raises(ValueError, match=r"different config .*" + field):
+      compare.check_workdir(str(tmp_path), other)
+  with open(tmp_path / "compare.json") as f:
+    assert json.load(f)["fingerprint"] == value  # a resumed workdir keeps its record
 
 
 def test_timing_repeats_fix_the_cells_only_when_speedups_are_timed(tmp_path):

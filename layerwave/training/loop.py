@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -85,23 +86,44 @@ def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
                         c.hidden_size)
 
 
-def config_fingerprint(config) -> str:
-  """Hash of every setting that fixes what the run computes (run-length settings excluded).
+def fingerprint_settings(config, ids: Sequence[int]) -> dict[str, Any]:
+  """Every setting that fixes what a training run computes, from the typed options (`dataclasses.asdict`).
 
-  Kept a hash of the config's JSON (not of the options' `dataclasses.asdict`) so that workdirs written
-  before the options existed still resume.
+  The target (`model`, `dtype`), `seed`, the layer ids trained on, `data`, `draft_model` and `train` less
+  `TrainOptions.RESUMABLE` (run length, logging, evaluation), less `LATE_DEFAULTS` fields at their defaults,
+  and less `features`: a feature store enters by its own fingerprint (checkpoint meta `feature_store`,
+  checked with its own error), not by its path, so a moved store still resumes. Not the mesh: the global
+  batch fixes the computation, so a run resumes on another number of devices.
   """
-  d = json.loads(config.to_json_best_effort())
+  train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
+  for key in TrainOptions.RESUMABLE + ("features",):
+    train.pop(key)
+  TrainOptions.drop_late_defaults(train)
+  return {"model": config.model, "dtype": config.dtype, "seed": options_lib.convert(config.seed, int, "seed"),
+          "layers": [int(i) for i in ids], "train": train,
+          "draft_model": dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
+                                                                     "draft_model")),
+          "data": dataclasses.asdict(options_lib.from_section(DataOptions, config.data, "data"))}
+
+
+def config_fingerprint(config, ids: Sequence[int]) -> str:
+  """The hash of `fingerprint_settings`, recorded in every checkpoint: a resume under another is refused."""
+  return options_lib.fingerprint(fingerprint_settings(config, ids))
+
+
+def legacy_config_fingerprint(config) -> str:
+  """The fingerprint checkpoints recorded before the typed options: a hash of the config's JSON (list fields
+  as comma strings) less the run-length fields and the other stages' sections. Accepted on resume, so that
+  those workdirs still resume."""
+  d = options_lib.legacy_config_json(config)
   for key in TrainOptions.RESUMABLE:
     d.get("train", {}).pop(key, None)
   TrainOptions.drop_late_defaults(d.get("train", {}))
-  d.pop("draft", None)
-  d.pop("speculate", None)
-  d.pop("analysis", None)
-  d.pop("distill", None)  # another stage's section (experiments/distill.py); training reads its output by path
-  d.pop("features", None)  # the extraction stage's section; training reads the store by path
-  # Where the features come from is checked apart (the store's own fingerprint, in the checkpoint meta), so
-  # a moved store still resumes and online workdirs from before the field resume.
+  # Sections newer than those workdirs: the other stages' (distill, features); training reads their output by
+  # path. train.features: where the features come from is checked apart (the store's fingerprint, in the
+  # checkpoint meta), so a moved store still resumes and online workdirs from before the field resume.
+  for key in ("draft", "speculate", "analysis", "distill", "features"):
+    d.pop(key, None)
   d.get("train", {}).pop("features", None)
   return options_lib.fingerprint(d)
 
@@ -248,13 +270,13 @@ def run(config, workdir: str) -> dict[str, Any]:
     dataset, train_source, heldout = load_data(data, target)
     dataset_name = dataset.name
   store_id = None if store is None else store.fingerprint
-  fingerprint = config_fingerprint(config)
+  fingerprint = config_fingerprint(config, record.ids)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   optimizer = t.optimizer
   latest = ckpt.latest_step()
   if latest is not None:
     meta = ckpt.read_meta(latest)
-    if meta["config_fingerprint"] != fingerprint:
+    if meta["config_fingerprint"] not in (fingerprint, legacy_config_fingerprint(config)):
       raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
                        f"{meta['config_fingerprint']} vs {fingerprint}); resume with the same config "
                        "or use a new --workdir.")

@@ -1,9 +1,12 @@
 """Draft training end to end on the real data pipeline: resume exactness, refusals, load_draft."""
 
+import glob
+import hashlib
 import json
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ import layerwave
 from layerwave import checkpoint as ckpt_lib
 from layerwave.training import curves
 from layerwave.training import loop
+from layerwave.training.options import TrainOptions
 
 
 def _params(workdir, target):
@@ -57,6 +61,58 @@ def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):
   tiny_config.train.lr = 5e-3
   with pytest.raises(ValueError, match="different config"):
     loop.run(tiny_config, str(tmp_path))
+
+
+def _old_style(config) -> ml_collections.ConfigDict:
+  """`config` as configs wrote it before the list fields were tuples (comma strings), without the sections
+  and train fields added since (distill, features, train.features and TrainOptions.LATE_DEFAULTS)."""
+  d = config.to_dict()
+  d["layers"] = ",".join(map(str, config.layers))
+  d["analysis"]["strategies"] = ",".join(config.analysis.strategies)
+  d["compare"].update(sets=",".join(config.compare.sets), lams="", datasets="mtbench", temperatures="0")
+  for key in ("distill", "features"):
+    d.pop(key)
+  for key in ("features", *TrainOptions.LATE_DEFAULTS):
+    d["train"].pop(key)
+  return ml_collections.ConfigDict(d)
+
+
+def _old_fingerprint(config) -> str:
+  """training.loop.config_fingerprint as it was before the typed options: a hash of the config's JSON."""
+  d = json.loads(config.to_json_best_effort())
+  for key in ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
+    d["train"].pop(key)
+  for key in ("draft", "speculate", "analysis"):
+    d.pop(key)
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def test_a_workdir_with_the_legacy_fingerprint_resumes(tiny_config, tmp_path):
+  assert tiny_config.compare.lams == () and tiny_config.compare.temperatures == (0.0,)  # as _old_style writes
+  legacy = _old_fingerprint(_old_style(tiny_config))
+  assert loop.legacy_config_fingerprint(tiny_config) == legacy
+  assert loop.legacy_config_fingerprint(_old_style(tiny_config)) == legacy  # an old-style config, unchanged
+  assert loop.config_fingerprint(tiny_config, (1, 2, 3)) not in (legacy, loop.config_fingerprint(
+      tiny_config, (1, 2, 4)))
+  tiny_config.train.num_steps = 2
+  loop.run(tiny_config, str(tmp_path))
+  # What a workdir written before the typed options records: the legacy fingerprint in its checkpoint meta.
+  (meta_path,) = [p for p in glob.glob(str(tmp_path / "checkpoints" / "2" / "meta" / "*"))
+                  if "config_fingerprint" in open(p).read()]
+  with open(meta_path) as f:
+    meta = json.load(f)
+  meta["config_fingerprint"] = legacy
+  with open(meta_path, "w") as f:
+    json.dump(meta, f)
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  assert ckpt.read_meta(2)["config_fingerprint"] == legacy
+  ckpt.close()
+  other = tiny_config.copy_and_resolve_references()
+  other.train.lr = 5e-3
+  with pytest.raises(ValueError, match="different config"):
+    loop.run(other, str(tmp_path))
+  tiny_config.train.num_steps = 4
+  assert loop.run(tiny_config, str(tmp_path))["step"] == 4
 
 
 def test_interrupted_save_leaves_previous_checkpoint_usable(tiny_config, tmp_path):
