@@ -227,7 +227,8 @@ def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
   if not n:
     return {}
   mean = jax.tree.map(lambda x: np.asarray(x) / n, sums)
-  # Accuracies pooled over tokens (not a mean of per-batch ratios); out-of-vocabulary targets are misses.
+  # Accuracies pooled over tokens (not a mean of per-batch ratios), and the held-out simulated τ from them
+  # (eval_step computes none per batch); out-of-vocabulary targets are misses.
   mean["acc_j"] = sums["hits_j"] / np.maximum(sums["tokens_j"], 1.0)
   mean["acc_in_vocab_j"] = sums["hits_j"] / np.maximum(sums["in_vocab_j"], 1.0)
   mean["sim_tau"] = float(losses.simulated_tau(mean["acc_j"]))

@@ -122,11 +122,11 @@ def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_param
 
 
 def _metrics(loss, aux):
-  """Step metrics; the counts `hits_j`, `tokens_j`, `in_vocab_j` let an evaluation pool batches."""
+  """Step metrics; the counts `hits_j`, `tokens_j`, `in_vocab_j` let an evaluation pool batches (and compute
+  its simulated τ from the pooled accuracies: `training.loop`)."""
   return {"loss": loss, "loss_j": aux["loss_j"], "acc_j": aux["acc_j"],
           "acc_in_vocab_j": aux["acc_in_vocab_j"], "hits_j": aux["hits_j"],
-          "tokens_j": aux["tokens_j"], "in_vocab_j": aux["in_vocab_j"], "tokens": aux["tokens_j"][0],
-          "sim_tau": losses.simulated_tau(aux["acc_j"])}
+          "tokens_j": aux["tokens_j"], "in_vocab_j": aux["in_vocab_j"], "tokens": aux["tokens_j"][0]}
 
 
 def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only):
@@ -146,6 +146,7 @@ def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
   params = optax.apply_updates(state.params, updates)
   metrics = _metrics(loss, aux)
   metrics["grad_norm"] = optax.global_norm(grads)
+  metrics["sim_tau"] = losses.simulated_tau(aux["acc_j"])  # this batch's, for train logging
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -156,7 +157,7 @@ TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "a
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
 def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_graphdef,
                target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only):
-  """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device."""
+  """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's)."""
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
                                target_params, batch, steps, decay, assistant_only)
@@ -166,7 +167,7 @@ def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_g
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_OFFLINE_STATIC, donate_argnames=("state",))
 def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, draft_graphdef,
                        optimizer: OptimizerSettings, steps, decay, assistant_only):
-  """One optimisation step from stored features (no target). Returns `(new_state, metrics)`.
+  """One optimisation step from stored features (no target). Returns `(new_state, metrics)` (as `train_step`'s).
 
   Args:
     state, vocab, embed: as `train_step`.
@@ -185,7 +186,7 @@ def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, dra
                                              "assistant_only"))
 def eval_step(params, vocab, embed, target_params, batch, *, draft_graphdef, target_graphdef,
               steps, decay, assistant_only):
-  """Held-out loss and per-step top-1 agreement (no update)."""
+  """Held-out loss, per-step top-1 agreement and its counts (no update)."""
   loss, aux = _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch,
                        steps, decay, assistant_only)
   return _metrics(loss, aux)

@@ -1,4 +1,4 @@
-"""The jitted online train step: loss falls on a tiny overfit, one compile, 8 devices equal one."""
+"""The jitted online train step: loss falls on a tiny overfit, one compile, 8 devices equal one, its metrics."""
 
 import dataclasses
 
@@ -11,6 +11,7 @@ from flax import nnx
 import layerwave
 from layerwave import sharding
 from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import losses
 from layerwave.training import step as step_lib
 
 from tests.models import hf_reference
@@ -65,6 +66,16 @@ def test_loss_falls_and_step_compiles_once(tmp_path):
   assert last[0] < 0.45 * first[0]  # the floor is the target's own entropy (~1.8 nats a step)
   assert last[1].min() > 0.85 and first[1].max() < 0.1  # memorised the batch, later steps too
   assert int(state.step) == 120
+
+
+def test_sim_tau_is_per_batch_in_training_and_left_to_the_pooled_evaluation(tmp_path):
+  target = make_peaky_target(str(tmp_path))
+  state, vocab, embed, batch, kw = setup(target)
+  eval_kw = {k: v for k, v in kw.items() if k != "optimizer"}
+  e = step_lib.eval_step(state.params, vocab, embed, target.params, batch, **eval_kw)
+  assert "sim_tau" not in e and {"hits_j", "tokens_j", "in_vocab_j"} <= set(e)  # training.loop pools these
+  _, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
+  np.testing.assert_allclose(m["sim_tau"], losses.simulated_tau(m["acc_j"]), rtol=1e-6)
 
 
 SCRIPT = """
