@@ -15,9 +15,9 @@ Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last
    `timing.paired_speedup`). Each cell writes `W/cells/<ids>/seed<s>/result.json` when done; a rerun
    skips finished cells and resumes an interrupted training from its checkpoint. A workdir written under a
    different config is refused;
-4. the table (`summarize`): mean ± 95 % CI over seeds per set, the paired difference against the baseline,
-   and the Spearman correlation between the selection objective and τ across sets → `W/results.json`,
-   `W/results.md`, `W/plots/compare.png`.
+4. the table (`layerwave.compare_table.summarize`): mean ± 95 % CI over seeds per set, the paired difference
+   against the baseline, and the Spearman correlation between the selection objective and τ across sets →
+   `W/results.json`, `W/results.md`, `W/plots/compare.png`.
 
 `experiments/compare_layers.py` is the launcher; the README's main job runs it with the `:demo` config.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
@@ -37,7 +36,6 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 from absl import logging
-from scipy import stats as scipy_stats
 
 from layerwave import atomic
 from layerwave import metrics as metrics_lib
@@ -48,6 +46,7 @@ from layerwave.analysis import analyze
 from layerwave.analysis import collect as collect_lib
 from layerwave.analysis import compartments as compartments_lib
 from layerwave.analysis import report as report_lib
+from layerwave.compare_table import markdown_table, mean_ci, summarize, temperature_key
 from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
@@ -55,7 +54,9 @@ from layerwave.training import loop
 from layerwave.training import restore
 from layerwave.training.options import DraftModelOptions, TrainOptions
 
-__all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "SET_ITEMS"]
+# summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
+__all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
+           "SET_ITEMS"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
@@ -359,10 +360,6 @@ def eval_prompts(compare: CompareOptions, tokenizer) -> dict[str, list[list[int]
           for name in compare.datasets}
 
 
-def _temp_key(t: float) -> str:
-  return f"T{t:g}"
-
-
 def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings, temperatures: Sequence[float],
                    seed: int, speedup: bool = False) -> dict[str, Any]:
   """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`.
@@ -379,7 +376,7 @@ def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings
             for name, ps in prompts.items()}
     runs["all"] = evaluate_lib.pooled(list(runs.values()))
     for name, ev in runs.items():
-      result[f"{_temp_key(t)}/{name}"] = evaluate_lib.acceptance_row(ev, greedy=t == 0)
+      result[f"{temperature_key(t)}/{name}"] = evaluate_lib.acceptance_row(ev, greedy=t == 0)
   return result
 
 
@@ -463,7 +460,7 @@ def run(config, workdir: str) -> dict[str, Any]:
       shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
     results[(s.key, seed)] = result
     done_here += 1
-    t0 = _temp_key(cmp.temperatures[0])
+    t0 = temperature_key(cmp.temperatures[0])
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
@@ -491,136 +488,3 @@ def budget_of(config) -> dict[str, Any]:
   return {"num_steps": t.num_steps, "batch_size": t.batch_size, "max_length": length, "lr": t.lr,
           "ttt_steps": t.ttt_steps, "draft_vocab_size": d.vocab_size, "draft_layers": d.num_layers,
           "tokens_per_cell": t.num_steps * t.batch_size * length}
-
-
-# -- the table -----------------------------------------------------------------------------------------
-
-
-def mean_ci(values: Sequence[float]) -> dict[str, Any]:
-  """Mean and half-width of the 95 % Student-t interval (NaN with one value)."""
-  x = np.asarray([v for v in values if v is not None and np.isfinite(v)], np.float64)
-  n = x.size
-  if n == 0:
-    return {"mean": float("nan"), "ci95": float("nan"), "n": 0, "values": []}
-  half = (float(scipy_stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"))
-  return {"mean": float(x.mean()), "ci95": half, "n": int(n), "values": x.tolist()}
-
-
-def _metric(result: dict, name: str) -> float | None:
-  if name == "sim_tau":
-    return result["train"].get("heldout_sim_tau")
-  if ":" in name:  # "speedup:T0/all", "equal_to_ar:T0/all"
-    field, key = name.split(":", 1)
-    return result["eval"].get(key, {}).get(field)
-  return result["eval"].get(name, {}).get("tau")
-
-
-def summarize(sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], seeds: Sequence[int],
-              compare: CompareOptions, prompts: dict[str, Any]) -> dict[str, Any]:
-  """Mean ± 95 % CI per set, paired differences against the baseline, Spearman(objective, τ) over sets."""
-  temps = [_temp_key(t) for t in compare.temperatures]
-  names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
-  if compare.speedup:
-    names += [f"{f}:{t}/all" for t in temps for f in ("speedup", "speedup_p25", "speedup_p75",
-                                                       "timing_pairs")]
-    names += [f"equal_to_ar:{t}/all" for t in temps if t == "T0"]
-  baseline = next(s for s in sets if s.name == compare.baseline)
-  rows = []
-  for s in sets:
-    row = {"name": s.name, "ids": list(s.ids), "kind": s.kind, "objective": s.objective,
-           "description": s.description, "metrics": {}, "vs_baseline": {}}
-    for m in names:
-      vals = {seed: _metric(results[(s.key, seed)], m) for seed in seeds if (s.key, seed) in results}
-      row["metrics"][m] = mean_ci(list(vals.values()))
-      base = {seed: _metric(results[(baseline.key, seed)], m) for seed in seeds
-              if (baseline.key, seed) in results}
-      diffs = [vals[k] - base[k] for k in vals if k in base and vals[k] is not None and base[k] is not None]
-      row["vs_baseline"][m] = mean_ci(diffs)
-    acc = [results[(s.key, seed)]["eval"][f"{temps[0]}/all"]["acceptance"] for seed in seeds
-           if (s.key, seed) in results]
-    row["acceptance"] = np.mean(np.asarray(acc, np.float64), axis=0).tolist() if acc else []
-    rows.append(row)
-  primary = f"{temps[0]}/all"
-  distinct = {}
-  for row in rows:
-    distinct.setdefault(tuple(row["ids"]), row)
-  xs = [r["objective"] for r in distinct.values()]
-  correlations = {}
-  for m in (primary, "sim_tau"):
-    ys = [r["metrics"][m]["mean"] for r in distinct.values()]
-    ok = [(x, y) for x, y in zip(xs, ys) if np.isfinite(y)]
-    if len(ok) >= 3:
-      res = scipy_stats.spearmanr(*zip(*ok))
-      correlations[m] = {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok)}
-    else:
-      correlations[m] = {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok)}
-  return {"baseline": baseline.name, "primary": primary, "seeds": list(seeds), "metrics": names,
-          "rows": rows, "spearman_objective": correlations,
-          "cells_done": len(results)}
-
-
-def _fmt(m: dict, signed: bool = False) -> str:
-  if not m or m.get("n", 0) == 0 or not np.isfinite(m["mean"]):
-    return "–"
-  mean = f"{m['mean']:+.3f}" if signed else f"{m['mean']:.3f}"
-  return mean + (f" ± {m['ci95']:.3f}" if np.isfinite(m["ci95"]) else "")
-
-
-def _fmt_speedup(metrics: dict, name: str) -> str:
-  """A speedup cell: with one seed, the cell's median and the [p25, p75] of its timed pairs."""
-  m = metrics[name]
-  p25, p75 = (metrics.get(name.replace("speedup:", f"speedup_{q}:"), {}) for q in ("p25", "p75"))
-  if m.get("n") == 1 and p25.get("n") == 1 and p75.get("n") == 1:
-    return f"{m['mean']:.2f} [{p25['mean']:.2f}, {p75['mean']:.2f}]"
-  return _fmt(m)
-
-
-def markdown_table(summary: dict[str, Any]) -> str:
-  """The comparison as markdown: one row per set, sorted by the primary τ."""
-  primary = summary["primary"]
-  temps = sorted({m.split("/")[0] for m in summary["metrics"] if "/" in m and ":" not in m})
-  datasets = [m.split("/")[1] for m in summary["metrics"]
-              if m.startswith(primary.split("/")[0] + "/") and not m.endswith("/all")]
-  others = [f"{t}/all" for t in temps if f"{t}/all" != primary]
-  speed = [m for m in summary["metrics"] if m.startswith("speedup:")]
-  equal = [m for m in summary["metrics"] if m.startswith("equal_to_ar:")]
-  head = (["set", "layers", "seeds", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
-          + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
-          + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed]
-          + ["greedy = plain decoding" for _ in equal])
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  first_with_ids = {}
-  for r in summary["rows"]:  # in config order: later sets with the same ids share the first one's cells
-    first_with_ids.setdefault(tuple(r["ids"]), r["name"])
-  rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
-  for r in rows:
-    is_base = r["name"] == summary["baseline"]
-    name = f"**{r['name']}**" if is_base else r["name"]
-    if first_with_ids[tuple(r["ids"])] != r["name"]:
-      name += f" (= {first_with_ids[tuple(r['ids'])]})"
-    cells = [name, ",".join(map(str, r["ids"])), str(r["metrics"][primary]["n"]), f"{r['objective']:+.3f}",
-             _fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
-    cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
-    cells += [_fmt(r["metrics"][m]) for m in others]
-    cells += [_fmt(r["metrics"]["sim_tau"])]
-    cells += [_fmt_speedup(r["metrics"], m) for m in speed]
-    cells += [f"{r['metrics'][m]['mean']:.0%}" if r["metrics"][m]["n"] else "–" for m in equal]
-    lines.append("| " + " | ".join(cells) + " |")
-  corr = summary["spearman_objective"]
-  notes = [f"\nMean ± 95 % CI (Student t) over seeds {summary['seeds']}; Δτ is the paired difference against "
-           f"`{summary['baseline']}` (same seed). τ = new tokens per target verification (bonus token "
-           "included)."]
-  if speed:
-    pairs = sorted({int(v) for r in summary["rows"] for m in speed
-                    for v in r["metrics"].get(m.replace("speedup:", "timing_pairs:"), {}).get("values", [])})
-    notes.append(f"Speedup = speculative ÷ plain decoding tokens/s, timed in alternation on the same batches "
-                 f"inside each cell (ABBA order, compilation excluded): per cell the median of "
-                 f"{'/'.join(map(str, pairs)) or '–'} pair ratios, [p25, p75] of the pairs with one seed, "
-                 "mean ± 95 % CI of the cells' medians with more.")
-  for m, c in corr.items():
-    if c["num_sets"] < 3:
-      notes.append(f"Spearman(selection objective, {m}): needs at least 3 distinct sets ({c['num_sets']} here).")
-    else:
-      notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
-                   f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
-  return "\n".join(lines + notes)

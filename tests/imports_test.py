@@ -23,7 +23,7 @@ LAYERS = (
     ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.export")),
     ("training", ("layerwave.training",)),
     ("speculative", ("layerwave.speculative",)),
-    ("compare", ("layerwave.compare",)),
+    ("compare", ("layerwave.compare", "layerwave.compare_table")),
 )
 # Optional or heavy third-party dependencies that may be imported where they are used.
 DEFERRED_OK = {"torch", "transformers", "tensorboardX", "safetensors", "gguf", "tokenizers",
