@@ -4,7 +4,7 @@
   python experiments/export_draft.py --draft=W --out=out/my-eagle3 --overwrite --dtype=bfloat16
 
 Loads the target recorded in W's checkpoint (or --model), then the draft, and writes config.json +
-model.safetensors (layerwave/training/restore.py loads the draft; see layerwave/export.py for the layer-id convention each engine reads; config.json's
+model.safetensors (layerwave/training/restore.py loads the draft; see layerwave/eagle3.py for the layer-id convention each engine reads; config.json's
 `layerwave.engine_note` says which layers each engine version feeds this draft). Serve it with e.g.
   vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "out/my-eagle3", ...}'
 Engines run the draft in the target's dtype: for a bfloat16 serving target export --dtype=bfloat16.

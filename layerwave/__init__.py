@@ -19,7 +19,8 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from layerwave.export import export_eagle3, load_eagle3
+from layerwave.eagle3 import load_eagle3
+from layerwave.export import export_eagle3
 from layerwave.generate import generate
 from layerwave.inference import Target, load_target
 from layerwave.models.config import ModelConfig

@@ -1,4 +1,5 @@
-"""EAGLE-3 export / import: exact round trip, published names, official directories, bad inputs.
+"""EAGLE-3 export (layerwave.export) and import (layerwave.eagle3): exact round trip, published names, official
+directories, bad inputs.
 
 Where the pinned names and fields come from (read in the public sources, not copied):
 * vLLM `vllm/model_executor/models/llama_eagle3.py`: `LlamaModel.load_weights` renames `midlayer.` →
@@ -39,6 +40,7 @@ from safetensors.numpy import load_file, save_file
 
 import layerwave
 from layerwave import checkpoint as ckpt_lib
+from layerwave import eagle3
 from layerwave import export
 from layerwave import selection
 from layerwave.models.draft import Draft, DraftConfig
@@ -320,10 +322,13 @@ def test_export_refuses_k_not_3_unless_allowed(target, tmp_path, caplog):
 
 def test_engine_layer_ids():
   # Old SGLang's shift can reach L (= 8), which no block's input is: the engine cannot run it.
-  assert export.engine_layer_ids([2, 4, 7], L) == {"vllm": [2, 4, 7], "sglang": [2, 4, 7],
+  assert eagle3.engine_layer_ids([2, 4, 7], L) == {"vllm": [2, 4, 7], "sglang": [2, 4, 7],
                                                    "sglang_before_pr25454": None}
-  assert export.engine_layer_ids([0, 3, 6], L) == {"vllm": None, "sglang": None,
+  assert eagle3.engine_layer_ids([0, 3, 6], L) == {"vllm": None, "sglang": None,
                                                    "sglang_before_pr25454": [1, 4, 7]}
+  # The reading side's public names stay importable from layerwave.export (split from it in issue 11).
+  assert export.engine_layer_ids is eagle3.engine_layer_ids and export.load_eagle3 is eagle3.load_eagle3
+  assert export.read_tensors is eagle3.read_tensors and export.is_eagle3_dir is eagle3.is_eagle3_dir
 
 
 def test_import_missing_tensor(target, tmp_path):
@@ -467,9 +472,9 @@ def test_pytorch_model_bin_without_torch(tmp_path):
   directory.mkdir()
   (directory / "pytorch_model.bin").write_bytes(b"not read")
   script = ("import sys; sys.modules['torch'] = None\n"  # only in this child: `import torch` fails
-            "from layerwave import export\n"
+            "from layerwave import eagle3\n"
             "try:\n"
-            "  export.read_tensors(sys.argv[1])\n"
+            "  eagle3.read_tensors(sys.argv[1])\n"
             "except ImportError as e:\n"
             "  print('ImportError:', e)\n")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

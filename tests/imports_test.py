@@ -1,7 +1,7 @@
 """The import graph of layerwave: one direction, no cycles, no hidden imports, and a light `import layerwave`.
 
-The stages import downwards only (issue 11): base utilities → models → data → analysis / selection / export →
-training → speculative → compare; the experiments/ launchers import the library, never each other.
+The stages import downwards only (issue 11): base utilities → models → data → analysis / selection / eagle3 /
+export → training → speculative → compare; the experiments/ launchers import the library, never each other.
 """
 
 import ast
@@ -20,7 +20,7 @@ LAYERS = (
               "layerwave.sampling", "layerwave.checkpoint", "layerwave.metrics", "layerwave.plots")),
     ("models", ("layerwave.models", "layerwave.inference", "layerwave.generate")),
     ("data", ("layerwave.data",)),
-    ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.export")),
+    ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.eagle3", "layerwave.export")),
     ("training", ("layerwave.training",)),
     ("speculative", ("layerwave.speculative",)),
     ("compare", ("layerwave.compare", "layerwave.compare_table")),

@@ -2,9 +2,10 @@
 
 Place in the pipeline: between draft training and everything that reads a trained draft. The training loop
 resumes through `restore_state`; speculation, the comparison and `layerwave.load_draft` load a draft through
-`load_draft`; the EAGLE-3 export of a workdir (`export_workdir`) loads its draft here and hands it to
-`layerwave.export`, which knows the Hugging Face format and nothing about checkpoints. So the imports run one
-way: `export` ← `training.restore` ← `training.loop`.
+`load_draft` (EAGLE-3 directories through `layerwave.eagle3`); the EAGLE-3 export of a workdir
+(`export_workdir`) loads its draft here and hands it to `layerwave.export`. Both know the Hugging Face format
+and nothing about checkpoints, so the imports run one way: `eagle3`, `export` ← `training.restore` ←
+`training.loop`.
 
 The restore target is built once (`abstract_state`): the `TrainState` and vocabulary shapes of a draft,
 carrying replicated shardings on the current mesh, as orbax restores into them.
@@ -18,6 +19,7 @@ import jax
 from flax import nnx
 
 from layerwave import checkpoint as ckpt_lib
+from layerwave import eagle3
 from layerwave import export as export_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
@@ -81,11 +83,11 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
     FileNotFoundError: no checkpoint under `path`.
     ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
   """
-  if export_lib.is_eagle3_dir(path):
+  if eagle3.is_eagle3_dir(path):
     if step is not None:
       raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "
                        "to training workdirs.")
-    return export_lib.load_eagle3(path, target)
+    return eagle3.load_eagle3(path, target)
   ckpt = ckpt_lib.Checkpointer(checkpoint_dir(path))
   try:
     meta = ckpt.read_meta(step)
