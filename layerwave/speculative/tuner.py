@@ -22,7 +22,7 @@ best setting depends on the machine, the batch size and the draft, and is measur
 `tune` returns the choice with the whole table, so a launcher can print the prediction next to what the
 chosen and the fixed settings then measure (experiments/bench_speculative.py).
 
-Legend (`layerwave.axes`): B batch, K draft depth, n tokens in one verification.
+Legend (`layerwave.axes`): B batch, K draft depth (the verification reads K + 1 tokens).
 """
 
 from __future__ import annotations
