@@ -40,6 +40,7 @@ from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
+from layerwave.generate import compute_dtype
 from layerwave.inference import Target, load_target, target_fingerprint
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features as features_lib
@@ -236,6 +237,36 @@ def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
   for count in ("tokens", "hits_j", "tokens_j", "in_vocab_j"):
     mean.pop(count, None)
   return mean
+
+
+def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, batch_size: int = 8,
+                      seq_len: int = 0, max_batches: int = 0, decay: float = 0.8, assistant_only: bool = True
+                      ) -> dict:
+  """Held-out acc_j, acc_in_vocab_j, sim τ and loss of any draft for `target` on a store's heldout split.
+
+  Compares drafts trained anywhere (online, offline, on other text) on one held-out text, `steps` deep.
+  The store is checked against the target, its tokenizer and the draft's layers.
+  """
+  store = features_lib.open_store(path)
+  record = selection_lib.LayerSelection(ids=tuple(draft.config.layer_ids), num_layers=target.config.num_layers,
+                                        hidden_size=target.config.hidden_size, strategy="manual")
+  seq_len = seq_len or store.seq_len
+  data = options_lib.from_section(DataOptions, {**store.header.get("data", {}), "max_length": seq_len}, "data")
+  dtype = str(jnp.dtype(compute_dtype(target.graphdef, target.params)))
+  _, _, heldout = load_store(path, data, target, record, dtype, own_data=True)
+  if heldout is None:
+    raise ValueError(f"Feature store {path} has no heldout split; extract it with features.splits=train,heldout.")
+  graphdef, params, vocab, embed = step_lib.split_draft(draft)
+  mesh = target.mesh
+  params, vocab, embed = _replicate((params, vocab, embed), mesh)
+  ids = np.arange(draft.config.draft_vocab_size) + np.asarray(jax.device_get(vocab["d2t"][...]))
+  head_rows = _replicate(jnp.take(target_head(target), jnp.asarray(ids), axis=1), mesh)
+  batches = features_lib.FeatureBatchIterator(heldout, store.layer_slots(record.ids), batch_size=batch_size,
+                                              seq_len=seq_len, pad_id=int(target.tokenizer.pad_token_id or 0),
+                                              shuffle=False, drop_remainder=False, num_epochs=1)
+  return _evaluate(batches, max_batches or len(heldout), lambda b: step_lib.eval_step_offline(
+      params, vocab, embed, head_rows, features_lib.device_arrays(b, mesh), draft_graphdef=graphdef, steps=steps,
+      decay=decay, assistant_only=assistant_only))
 
 
 def _online_arrays(batch, mesh):

@@ -77,3 +77,19 @@ def test_eval_features_needs_a_training_store(tiny_chat_target_dir, tmp_path, st
   _, _, other = stores
   with pytest.raises(ValueError, match="train.eval_features evaluates offline; it needs train.features"):
     loop.run(tiny_config(tiny_chat_target_dir, eval_features=other), str(tmp_path))
+
+
+def test_evaluate_on_store_equals_the_training_runs_evaluation(stores, tiny_chat_target_dir, tmp_path):
+  target, train_store, other = stores
+  c = tiny_config(tiny_chat_target_dir, features=train_store, eval_features=other, eval_batches=50)
+  result = loop.run(c, str(tmp_path))
+  m = loop.evaluate_on_store(layerwave.load_draft(str(tmp_path), target), target, other, steps=2, batch_size=2,
+                             seq_len=64)
+  np.testing.assert_allclose(m["acc_j"], result["heldout_acc"], rtol=1e-6)
+  assert m["loss"] == pytest.approx(result["heldout_loss"], rel=1e-6)
+  assert int(m["predicted_positions"]) == result["heldout_positions"]
+  with pytest.raises(features.StoreError, match="lacks|missing|not among|depths"):
+    draft = layerwave.load_draft(str(tmp_path), target)
+    bad = dataclasses.replace(draft.config, layer_ids=(0, 1, 2))
+    draft.config = bad
+    loop.evaluate_on_store(draft, target, other, steps=2)
