@@ -1,6 +1,10 @@
 """train.eval_features: drafts trained on one store, evaluated on another store's held-out split."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -93,3 +97,24 @@ def test_evaluate_on_store_equals_the_training_runs_evaluation(stores, tiny_chat
     bad = dataclasses.replace(draft.config, layer_ids=(0, 1, 2))
     draft.config = bad
     loop.evaluate_on_store(draft, target, other, steps=2)
+
+
+def test_sweep_launcher_trains_cells_and_the_sharegpt_cell_from_another_store(stores, tiny_chat_target_dir,
+                                                                             tmp_path):
+  _, train_store, other = stores
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  c = tiny_config(tiny_chat_target_dir)
+  args = ["--config=" + os.path.join(root, "configs", "smollm2_135m.py") + ":smoke",
+          "--config.model=" + tiny_chat_target_dir, "--config.layers=1,2,3", "--config.train.features=" + train_store,
+          "--workdir=" + str(tmp_path), "--cells=k3,sharegpt", "--sharegpt_features=" + other,
+          "--sharegpt_like=k3", "--config.train.num_steps=2", "--config.train.eval_every=2",
+          "--config.train.checkpoint_every=2", "--config.draft_model.vocab_size=256"]
+  args += [f"--config.data.{k}={c.data[k]}" for k in ("source", "max_length", "max_records", "heldout_fraction")]
+  out = subprocess.run([sys.executable, os.path.join(root, "experiments", "sweep_recipe.py"), *args], check=True,
+                       cwd=root, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": root})
+  assert "| k3 | train.ttt_steps=3 |" in out.stdout and "| sharegpt |" in out.stdout
+  result = json.load(open(tmp_path / "curves.json"))
+  assert [p["step"] for p in result["curves"]["k3"]] == [2] == [p["step"] for p in result["curves"]["sharegpt"]]
+  assert result["cells"]["sharegpt"]["train.eval_features"] == train_store  # judged on the base store's text
+  assert result["cells"]["sharegpt"]["data.max_records"] == OTHER.max_records
+  assert os.path.getsize(tmp_path / "curves.png") > 1000
