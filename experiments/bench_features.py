@@ -1,6 +1,6 @@
 """Benchmark: offline draft training from a feature store vs online training, and extraction vs the bare forward.
 
-  python experiments/bench_features.py --workdir=/tmp/bench_features
+  python experiments/bench_features.py --workdir=out/bench_features
   python experiments/bench_features.py --workdir=B --config=configs/smollm2_135m.py --seq_len=256 --ks=3
 
 Side by side in one process, on the real target of `--config` (default SmolLM2-135M-Instruct) and real
