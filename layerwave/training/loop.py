@@ -376,13 +376,14 @@ def run(config, workdir: str) -> dict[str, Any]:
   for step in range(start_step, stop):
     step_tic = time.perf_counter()  # batch preparation counts as training time; evaluation does not
     batch = next(it)
-    tokens_seen += int(batch.attention_mask.sum())
+    real_tokens = int(batch.attention_mask.sum())
+    tokens_seen += real_tokens
     state, m = train_fn(state, batch)
     done = step + 1
     if done % t.log_every == 0 or done == stop or done % t.eval_every == 0 or done % t.checkpoint_every == 0:
       jax.block_until_ready(state.step)  # the clock stops when the step has run, not when it was dispatched
     total_seconds += time.perf_counter() - step_tic
-    total_tokens += int(batch.attention_mask.sum())
+    total_tokens += real_tokens
     if done % t.log_every == 0 or done == stop:
       m = jax.device_get(m)
       elapsed = time.perf_counter() - tic
