@@ -339,8 +339,9 @@ def run(config, workdir: str) -> dict[str, Any]:
   pad_id = int(target.tokenizer.pad_token_id or 0)
   iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id)
   heldout_batches = dict(iterate, shuffle=False, drop_remainder=False, num_epochs=1)
+  train_iterate = dict(iterate, seed=seed, position=position, widths=t.bucket_widths)
   if store is None:
-    it = data_lib.BatchIterator(train_source, seed=seed, position=position, **iterate)
+    it = data_lib.BatchIterator(train_source, **train_iterate)
     train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
         state, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
         target_graphdef=target.graphdef, optimizer=optimizer, **t.loss_kwargs)
@@ -354,7 +355,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     slots = store.layer_slots(record.ids)
     ids = np.arange(draft.config.draft_vocab_size) + np.asarray(jax.device_get(vocab["d2t"][...]))
     head_rows = _replicate(jnp.take(target_head(target), jnp.asarray(ids), axis=1), mesh)  # [D, V_d]
-    it = features_lib.FeatureBatchIterator(train_source, slots, seed=seed, position=position, **iterate)
+    it = features_lib.FeatureBatchIterator(train_source, slots, **train_iterate)
     train_fn = lambda state, batch: step_lib.train_step_offline(  # noqa: E731
         state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
         optimizer=optimizer, **t.loss_kwargs)
@@ -365,6 +366,10 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Offline training from %s: %d steps = %.2f epochs of its train split (%d sequences, %d "
                  "steps/epoch).", store.path, t.num_steps, t.num_steps / it.steps_per_epoch, len(train_source),
                  it.steps_per_epoch)
+  for width in it.widths:
+    sharding.check_batch(mesh, it.rows(width))
+  if it.widths:
+    logging.info("Length buckets: %s.", ", ".join(f"[{it.rows(w)}, {w}]" for w in it.widths))
   writer = metrics_lib.MetricWriter(workdir)
   start_step = int(state.step)
   stop = t.stop_step(start_step)

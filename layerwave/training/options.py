@@ -65,6 +65,10 @@ class TrainOptions:
       different text, all evaluated on the target's own answers); needs `features`.
     features: a feature store directory (experiments/extract_features.py) to train from offline, with no
       target in the step; "" = online (the target runs in every step).
+    bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds batch_size *
+      data.max_length token slots, as [batch_size * max_length / w, w] for the smallest width w >= its
+      sequences' lengths, so short sequences stop paying for padding; () = every batch [batch_size,
+      max_length]. Widths must divide batch_size * max_length into rows divisible by the mesh's data axis.
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
@@ -93,11 +97,12 @@ class TrainOptions:
   eval_ttt_steps: int = 0
   eval_features: str = ""
   features: str = ""
+  bucket_widths: tuple[int, ...] = ()
 
   # Fields added after workdirs existed: left out of fingerprints while they hold these defaults, so those
   # workdirs still resume.
   LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0,
-                                   "eval_features": ""}
+                                   "eval_features": "", "bucket_widths": ()}
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
@@ -119,6 +124,8 @@ class TrainOptions:
              "--config.train.decay=0.8.")
     _require(not self.eval_features or bool(self.features), "train.eval_features evaluates offline; it needs "
              "train.features (a store to train from). Unset --config.train.eval_features to evaluate online.")
+    _require(all(w >= 1 for w in self.bucket_widths), f"train.bucket_widths must be positive, got "
+             f"{self.bucket_widths}; e.g. --config.train.bucket_widths=128,256 (max_length is always added).")
     _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
              f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
 
@@ -126,7 +133,9 @@ class TrainOptions:
   def drop_late_defaults(cls, train_section: dict) -> dict:
     """Removes `LATE_DEFAULTS` fields holding their defaults from a config's train section (fingerprints)."""
     for name, default in cls.LATE_DEFAULTS.items():
-      if name in train_section and train_section[name] == default:
+      value = train_section.get(name, None)
+      # A tuple default is () from the typed options, [] from a config's JSON, "" in the legacy comma form.
+      if name in train_section and (value == default or default == () and value in ([], "")):
         train_section.pop(name)
     return train_section
 

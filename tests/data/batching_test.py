@@ -112,3 +112,97 @@ def test_default_process_and_tfds_source(tokenizer, tmp_path):
   batch = next(it)
   assert batch.input_ids.shape == (8, 32) and batch.attention_mask.all()
   assert not batch.assistant_mask.any()  # MT-bench prompts have no assistant replies.
+
+
+# -- length buckets --------------------------------------------------------------------------------------
+
+
+def _bucketed(source, **kwargs):
+  args = dict(batch_size=2, seq_len=8, pad_id=2, seed=3, process_index=0, process_count=1, widths=(2, 4))
+  return batching.BatchIterator(source, **{**args, **kwargs})
+
+
+def test_buckets_fit_each_batch_to_its_width_and_cover_the_epoch():
+  source = _source(n=60)
+  it = _bucketed(source, drop_remainder=False)
+  assert it.widths == (2, 4, 8) and [it.rows(w) for w in it.widths] == [8, 4, 2]
+  seen, widths = [], set()
+  for _ in range(it.steps_per_epoch):
+    batch = next(it)
+    b, t = batch.input_ids.shape
+    assert b * t == 16  # every batch holds batch_size * seq_len token slots
+    widths.add(t)
+    for row, index in enumerate(batch.indices):
+      if index < 0:
+        assert not batch.attention_mask[row].any()
+        continue
+      n = min(len(source[index]["input_ids"]), 8)
+      assert n <= t and (t == 2 or n > t // 2 or t == 4 and n > 2)  # the smallest width that holds it
+      np.testing.assert_array_equal(batch.input_ids[row, :n], source[index]["input_ids"][:n])
+      assert batch.attention_mask[row].sum() == n
+      seen.append(int(index))
+  assert sorted(seen) == list(range(60)) and widths == {2, 4, 8}
+  assert it.position == batching.Position(1, 0)
+  # Fewer padding slots than fixed [2, 8] batches over the same epoch.
+  fixed = batching.BatchIterator(source, batch_size=2, seq_len=8, pad_id=2, seed=3, process_index=0,
+                                 process_count=1, drop_remainder=False)
+  slots = lambda its: sum(next(its).input_ids.size for _ in range(its.steps_per_epoch))  # noqa: E731
+  assert slots(_bucketed(source, drop_remainder=False)) < slots(fixed)
+  lengths = np.minimum([len(e["input_ids"]) for e in source], 8)
+  assert fixed.epoch_fill() == pytest.approx(lengths.sum() / (30 * 16))
+  assert _bucketed(source, drop_remainder=False).epoch_fill() == pytest.approx(
+      lengths.sum() / slots(_bucketed(source, drop_remainder=False)))
+
+
+def test_buckets_drop_remainders_resume_exactly_and_reshuffle_per_epoch():
+  source = _source(n=60)
+  it = _bucketed(source)
+  first = _collect(it, it.steps_per_epoch)
+  per_width = {w: sum(1 for b in first if b.input_ids.shape[1] == w) for w in it.widths}
+  lengths = np.minimum([len(e["input_ids"]) for e in source], 8)
+  counts = {2: (lengths <= 2).sum(), 4: ((lengths > 2) & (lengths <= 4)).sum(), 8: (lengths > 4).sum()}
+  assert per_width == {w: counts[w] // it.rows(w) for w in it.widths}
+  second = _collect(it, it.steps_per_epoch)
+  assert [b.indices.tolist() for b in first] != [b.indices.tolist() for b in second]
+  again = _bucketed(source, position=first[5].position)
+  for expected in first[5:] + second[:3]:
+    got = next(again)
+    np.testing.assert_array_equal(got.input_ids, expected.input_ids)
+    assert got.position == expected.position
+
+
+def test_buckets_split_rows_over_processes():
+  source = _source(n=60)
+  whole = _collect(_bucketed(source, batch_size=4), 6)
+  parts = [_collect(_bucketed(source, batch_size=4, process_index=p, process_count=2), 6) for p in range(2)]
+  for step, batch in enumerate(whole):
+    np.testing.assert_array_equal(np.concatenate([parts[0][step].indices, parts[1][step].indices]),
+                                  batch.indices)
+
+
+def test_buckets_use_the_source_lengths_when_it_has_them():
+  class WithLengths(list):
+    def lengths(self):
+      return np.asarray([len(e["input_ids"]) for e in self])
+
+  plain, known = _bucketed(_source(n=40)), _bucketed(WithLengths(_source(n=40)))
+  for _ in range(plain.steps_per_epoch):
+    np.testing.assert_array_equal(next(plain).input_ids, next(known).input_ids)
+
+
+def test_a_bucket_too_small_for_one_batch_joins_the_next_width():
+  source = [{"input_ids": np.arange(1 + i % 7)} for i in range(40)]  # lengths 1..7: 12 of them <= 2
+  it = _bucketed(source, widths=(1, 2, 4))  # width 1 would hold 6 examples, fewer than its 16 rows
+  assert it.widths == (2, 4, 8) and it.rows(2) == 8
+  seen = [int(i) for _ in range(it.steps_per_epoch) for i in next(it).indices]
+  assert any(len(source[i]["input_ids"]) == 1 for i in seen)
+
+
+def test_bucket_errors():
+  source = _source(n=60)
+  with pytest.raises(ValueError, match="must be in \\[1, seq_len=8\\]"):
+    _bucketed(source, widths=(16,))
+  with pytest.raises(ValueError, match="does not divide batch_size \\* seq_len = 16"):
+    _bucketed(source, widths=(3,))
+  with pytest.raises(ValueError, match="divisible by the 2 processes"):
+    _bucketed(source, widths=(8,), seq_len=12, batch_size=2, process_count=2)  # 24 / 8 = 3 rows

@@ -342,6 +342,38 @@ def test_offline_step_equals_online_step_on_identical_data(store32, target, data
   np.testing.assert_array_equal(np.asarray(e_off["acc_j"]), np.asarray(e_on["acc_j"]))
 
 
+def test_store_lengths_are_the_sequences_lengths(store32):
+  s = features.open_store(store32)
+  for t in (None, 40):
+    split = s.split("train", t)
+    np.testing.assert_array_equal(split.lengths(), [len(split[i]["input_ids"]) for i in range(len(split))])
+  assert split.lengths().max() == 40  # cut to max_length as the items are
+
+
+def test_a_length_bucketed_batch_trains_as_its_rows_padded_to_full_width(store32, target):
+  """Bucketing only drops padding: the loss, the metrics and the gradients of a [rows, w] batch equal those of
+  the same rows padded to [rows, max_length]."""
+  s = features.open_store(store32)
+  split = s.split("train", 24)  # sequences cut to 24 tokens: all in the width-32 bucket of [4, 32] batches
+  it = features.FeatureBatchIterator(split, s.layer_slots(LAYERS), batch_size=2, seq_len=64, pad_id=2, seed=1,
+                                     widths=(16, 32))
+  assert it.widths == (32,)
+  batch = next(it)
+  assert batch.input_ids.shape == (4, 32) and batch.attention_mask.sum() > 4 * 16
+  wide = it.collate([split[i] for i in batch.indices], batch.indices, batch.position, (4, 64))
+  graphdef, params, vocab, embed, head = _draft_and_state(target, batch.argmax[batch.attention_mask > 0])
+  fn = jax.value_and_grad(step_lib._offline_loss_fn, has_aux=True)  # pylint: disable=protected-access
+  (short_loss, short_aux), short_grads = fn(params, graphdef, vocab, embed, head, batch.arrays(), 3, 0.8, False)
+  (wide_loss, wide_aux), wide_grads = fn(params, graphdef, vocab, embed, head, wide.arrays(), 3, 0.8, False)
+  assert float(short_loss) > 1.0
+  np.testing.assert_allclose(float(short_loss), float(wide_loss), rtol=1e-5)
+  for key in ("hits_j", "tokens_j", "in_vocab_j"):
+    np.testing.assert_array_equal(np.asarray(short_aux[key]), np.asarray(wide_aux[key]), err_msg=key)
+  for a, b in zip(jax.tree.leaves(short_grads), jax.tree.leaves(wide_grads)):
+    scale = float(np.abs(np.asarray(b)).max())
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5 * scale, rtol=1e-4)
+
+
 SCRIPT = """
     import numpy as np
     from layerwave import sharding
@@ -412,6 +444,26 @@ def test_offline_training_resumes_exactly_and_equals_online_training(store32, ti
     np.testing.assert_allclose(a, b, atol=1e-4)
   meta = ckpt_lib.Checkpointer(str(tmp_path / "full" / "checkpoints")).read_meta()
   assert meta["feature_store"] == features.open_store(store32).fingerprint
+
+
+def test_offline_training_with_length_buckets_resumes_exactly(store32, tiny_chat_target_dir, target, tmp_path):
+  bucketed = tiny_config(tiny_chat_target_dir, features=store32, bucket_widths=(16, 32))
+  result = loop.run(bucketed, str(tmp_path / "full"))
+  assert result["step"] == 4 and result["heldout_positions"] > 0
+  killed = bucketed.copy_and_resolve_references()
+  killed.train.stop_after = 3
+  assert loop.run(killed, str(tmp_path / "resumed"))["step"] == 3
+  killed.train.stop_after = 0
+  assert loop.run(killed, str(tmp_path / "resumed"))["step"] == 4
+  for a, b in zip(_params(str(tmp_path / "full"), target), _params(str(tmp_path / "resumed"), target)):
+    np.testing.assert_array_equal(a, b)
+  other = bucketed.copy_and_resolve_references()
+  other.train.bucket_widths = ()
+  with pytest.raises(ValueError, match="holds a run with a different config"):
+    loop.run(other, str(tmp_path / "full"))
+  bad = tiny_config(tiny_chat_target_dir, features=store32, bucket_widths=(48,))
+  with pytest.raises(ValueError, match="does not divide batch_size \\* seq_len = 128"):
+    loop.run(bad, str(tmp_path / "bad"))
 
 
 def test_launchers_extract_then_train_offline(tiny_chat_target_dir, tmp_path):

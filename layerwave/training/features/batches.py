@@ -74,8 +74,8 @@ class FeatureBatchIterator(batching.BatchIterator):
     self._slots = [int(s) for s in slots]
 
   def collate(self, examples: Sequence[Mapping[str, Any]], indices: np.ndarray,
-              position: batching.Position) -> FeatureBatch:
-    base = super().collate(examples, indices, position)
+              position: batching.Position, shape: tuple[int, int] | None = None) -> FeatureBatch:
+    base = super().collate(examples, indices, position, shape)
     b, t = base.input_ids.shape
     dtype, d = self._source.dtype, self._source.hidden_size
     features = np.zeros((len(self._slots), b, t, d), dtype)

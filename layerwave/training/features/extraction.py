@@ -192,6 +192,27 @@ def _fetch(source, indices: np.ndarray) -> list[Mapping[str, Any]]:
   return [source[int(i)] for i in indices]
 
 
+def _length_sorted(lengths: np.ndarray, n: int, n_proc: int, p: int, s: int, shard_sequences: int, local: int,
+                   seq_len: int) -> tuple[np.ndarray, list[int]]:
+  """Process p's sequences of shard s, longest first, and each batch's padded width.
+
+  Every process sorts its own slice of the shard the same way and pads batch b to the smallest power of two
+  (from 64, at most seq_len) that holds the longest sequence any process has in batch b, so all processes run
+  one global [P * local, width] forward in lock step, and a batch of short sequences stops paying for a full
+  seq_len of padding (the forward on real tokens does not depend on the width: causal attention, masked
+  padding).
+  """
+  slices = [np.arange(q, n, n_proc, dtype=np.int64)[s * shard_sequences:(s + 1) * shard_sequences]
+            for q in range(n_proc)]
+  slices = [sl[np.argsort(-lengths[sl], kind="stable")] for sl in slices]
+  rows = max(len(sl) for sl in slices)
+  widths = []
+  for start in range(0, rows, local):
+    longest = max((int(lengths[sl[start:start + local]].max()) for sl in slices if len(sl) > start), default=1)
+    widths.append(min(seq_len, max(64, 1 << (longest - 1).bit_length())))
+  return slices[p], widths
+
+
 def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *, depths: Sequence[int],
             dtype: str = "bfloat16", splits: Sequence[str] = SPLITS, batch_size: int = 8,
             shard_sequences: int = 256, data: Mapping[str, Any] | None = None, model: str = "",
@@ -286,6 +307,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
     num_shards = -(-largest // shard_sequences)
     collator = batching.BatchIterator(source, batch_size=local, seq_len=seq_len, pad_id=pad_id,
                                       shuffle=False, drop_remainder=False, process_index=0, process_count=1)
+    lengths_all = None  # read when a shard is computed (not on a resume that skips every shard)
     shards = []
     for s in range(num_shards):
       name = store_lib.shard_name(split, p, s)
@@ -301,9 +323,12 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
       rows_in_shard = min(shard_sequences, largest - s * shard_sequences)
       pieces = {k: [] for k in ("hidden", "final", "argmax", "input_ids", "assistant_mask")}
       lengths, index = [], []
-      for start in range(0, rows_in_shard, local):
+      if lengths_all is None:
+        lengths_all = collator.lengths()
+      seqs, widths = _length_sorted(lengths_all, n, n_proc, p, s, shard_sequences, local, seq_len)
+      for start, width in zip(range(0, rows_in_shard, local), widths):
         idx = seqs[start:start + local]
-        batch = collator.collate(_fetch(source, idx), idx, batching.Position())
+        batch = collator.collate(_fetch(source, idx), idx, batching.Position(), shape=(local, width))
         tokens = jax.make_array_from_process_local_data(rows, batch.input_ids)
         mask = jax.make_array_from_process_local_data(rows, batch.attention_mask)
         hidden, final, argmax = fn(target.params, tokens, mask)

@@ -187,6 +187,14 @@ class StoreSplit:
       self._open.popitem(last=False)
     return arrays
 
+  def lengths(self) -> np.ndarray:
+    """int64 `[len(self)]`: each sequence's stored tokens (cut to `max_length`), from the shards' offsets
+    without reading the features (what `BatchIterator`'s length buckets need)."""
+    per_shard = [np.diff(np.load(os.path.join(self._store.path, shard.name, "offsets.npy")))
+                 for shard in self._shards]
+    n = np.asarray([per_shard[s][j] for s, j in zip(self._shard_of, self._local)], np.int64)
+    return n if self._max_length is None else np.minimum(n, self._max_length)
+
   def __getitem__(self, i: int) -> dict[str, np.ndarray]:
     if not 0 <= i < len(self):
       raise IndexError(f"sequence {i} of a split of {len(self)}")
