@@ -220,21 +220,41 @@ def test_forward_rejects_bad_batches(tmp_path):
 # Gemma 3: the sliding window in isolation, the configs it refuses, fingerprints of the other families.
 
 def test_window_mask_reads_keys_by_position():
-  """Cache-free and cached forms agree with a direct rule over the keys' positions."""
+  """Cache-free and cached forms agree with a direct rule over the keys' positions (tree nodes included)."""
   from layerwave.models import kv_cache
-  positions = jnp.array([[0, 1, 2, 3, 4, 5], [3, 4, 5, 5, 6, 6]])
-  got = np.asarray(kv_cache.window_mask(positions, 3))
-  want = (np.asarray(positions)[:, :, None] - np.asarray(positions)[:, None, :]) < 3
-  np.testing.assert_array_equal(got, want)
-  # Against a cache of 12 slots: row 0 has 2 committed tokens, row 1 has 3 (slot s = position s).
-  lengths = jnp.array([2, 3])
-  got = np.asarray(kv_cache.window_mask(positions[:, :2] + lengths[:, None], 3, lengths, 12))
-  key_pos = np.array([[0, 1, 2, 3] + [99] * 8, [0, 1, 2, 3, 4] + [99] * 7])
-  key_pos[0, 2:4] = np.asarray(positions[0, :2] + 2)
-  key_pos[1, 3:5] = np.asarray(positions[1, :2] + 3)
-  q_pos = np.asarray(positions[:, :2] + lengths[:, None])
-  want = (q_pos[:, :, None] - key_pos[:, None, :]) < 3
-  np.testing.assert_array_equal(got[:, :, :5], want[:, :, :5])
+  positions = np.array([[0, 1, 2, 3, 4, 5], [3, 4, 5, 5, 6, 6]])
+  got = np.asarray(kv_cache.window_mask(jnp.asarray(positions), 3))
+  np.testing.assert_array_equal(got, (positions[:, :, None] - positions[:, None, :]) < 3)
+  # Against 16 slots: row 0 has 2 committed tokens, row 1 has 3 (slot s holds position s); the new tokens
+  # (a chain in row 0, two branches in row 1) follow at slots lengths + i, their positions not their slots.
+  lengths = np.array([2, 3])
+  new_pos = positions + lengths[:, None]
+  got = np.asarray(kv_cache.window_mask(jnp.asarray(new_pos), 3, jnp.asarray(lengths), 16))
+  for b in range(2):
+    key_pos = list(range(lengths[b])) + list(new_pos[b])
+    want = (new_pos[b][:, None] - np.array(key_pos)[None, :]) < 3
+    np.testing.assert_array_equal(got[b, :, :len(key_pos)], want)
+
+
+def test_gemma_deep_tree_verification_honours_the_window(tmp_path):
+  """Two branches of 6 nodes (window 4): a node reads only its own ancestors within the window, by position."""
+  hf_reference.save_hf_model("gemma3", str(tmp_path))
+  target = layerwave.load_target(str(tmp_path))
+  prefix = np.array([[5, 9, 13, 17, 19]])
+  a, b_ = [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]
+  full_a = target.forward(np.concatenate([prefix, [a]], 1)).logits
+  full_b = target.forward(np.concatenate([prefix, [b_]], 1)).logits
+  cache = KVCache.zeros(target.config, 1, 24)
+  out = inference.cached_forward(target.graphdef, target.params, prefix, np.arange(5)[None],
+                                 causal_mask(jnp.ones((1, 5), jnp.int32)), cache, jnp.zeros(1, jnp.int32))
+  chain = np.tril(np.ones((6, 6), bool))
+  tree = np.zeros((12, 12), bool)
+  tree[:6, :6] = tree[6:, 6:] = chain
+  pos = np.concatenate([np.arange(5, 11), np.arange(5, 11)])[None]
+  o = inference.cached_forward(target.graphdef, target.params, np.array([a + b_]), pos,
+                               jnp.asarray(tree[None]), out.cache, jnp.array([5]))
+  np.testing.assert_allclose(o.logits[0, :6], full_a[0, 5:], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(o.logits[0, 6:], full_b[0, 5:], atol=1e-4, rtol=1e-4)
 
 
 GEMMA = dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,
