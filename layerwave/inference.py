@@ -120,7 +120,7 @@ def target_fingerprint(target: Target) -> str:
   loaded in another dtype is another target. About a second for SmolLM2-135M (540 MB of float32).
   """
   digest = hashlib.sha256()
-  digest.update(json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str).encode())
+  digest.update(json.dumps(target.config.identity(), sort_keys=True, default=str).encode())
   for path, leaf in jax.tree_util.tree_leaves_with_path(target.params):
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
       leaf = multihost_utils.process_allgather(leaf, tiled=True)

@@ -4,8 +4,9 @@ Place in the pipeline: fixed-shape token batches (`layerwave.data.BatchIterator`
 `CollectResult` (finalised `LayerStats` with and without the token filter, counts, the filter threshold) →
 `layerwave.selection` and `layerwave.analysis.report`.
 
-One jitted `stats_step` per batch fuses the target forward (hidden states [L+1, B, T, D] and logits), the token
-entropy (shared/METHOD.md §2), the filter and `stats.update` of two accumulators: *filtered* (eligible tokens
+One jitted `stats_step` per batch fuses the target forward (hidden states [L+1, B, T, D]), the token entropy
+(shared/METHOD.md §2; from the final states a chunk of positions at a time, so the [B, T, V] logits are never
+held at once: `token_filter.entropy_from_hidden`), the filter and `stats.update` of two accumulators: *filtered* (eligible tokens
 whose predictive entropy passes the cut) and *unfiltered* (the control without the filter: by default a random,
 same-size subset of each sequence's eligible tokens, see `CollectOptions.unfiltered`). Eligible = real (attention
 mask) and, with `assistant_only`, inside an assistant turn; a position's own mask decides (the hidden state at
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from flax import nnx
 
 from layerwave import inference
 from layerwave import options as options_lib
@@ -50,7 +52,7 @@ from layerwave.analysis import stats as stats_lib
 from layerwave.analysis import token_filter
 
 __all__ = ["CollectOptions", "CollectResult", "collect_stats", "init_state", "options_from_config", "stats_step",
-           "update_from_outputs"]
+           "update_from_entropy", "update_from_outputs"]
 
 _FILTER_MODES = ("percentile", "threshold")
 _UNFILTERED = ("matched", "all", "none")
@@ -172,8 +174,8 @@ def _eligible(attention_mask, assistant_mask, assistant_only: bool):
 def token_entropy_step(graphdef, params, tokens, attention_mask, assistant_mask, *, temperature: float,
                        assistant_only: bool):
   """Calibration: the forward without hidden states → token entropy [B, T] and eligibility [B, T]."""
-  out = inference.forward_fn(graphdef, params, tokens, attention_mask)
-  entropy = token_filter.token_entropy(out.logits, temperature)
+  out = inference.forward_fn(graphdef, params, tokens, attention_mask, compute_logits=False)
+  entropy = token_filter.entropy_from_hidden(out.last_hidden, nnx.merge(graphdef, params).logits, temperature)
   return entropy, _eligible(attention_mask, assistant_mask, assistant_only)
 
 
@@ -213,8 +215,11 @@ def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, 
   Returns:
     The updated state.
   """
-  out = inference.forward_fn(graphdef, params, tokens, attention_mask, return_hidden_states=True)
-  return update_from_outputs(state, out.hidden_states, out.logits, attention_mask, assistant_mask, threshold,
+  out = inference.forward_fn(graphdef, params, tokens, attention_mask, return_hidden_states=True,
+                             compute_logits=False)
+  model = nnx.merge(graphdef, params)
+  entropy = token_filter.entropy_from_hidden(out.last_hidden, model.logits, options.temperature)
+  return update_from_entropy(state, out.hidden_states, entropy, model.config.vocab_size, attention_mask, assistant_mask, threshold,
                              index, options=options)
 
 
@@ -225,6 +230,13 @@ def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, t
   Args and returns as `stats_step`; used alone by experiments/bench_stats.py (statistics without the forward).
   """
   entropy = token_filter.token_entropy(logits, options.temperature)  # [B, T]
+  return update_from_entropy(state, hidden, entropy, logits.shape[-1], attention_mask, assistant_mask, threshold,
+                             index, options=options)
+
+
+def update_from_entropy(state, hidden, entropy, vocab_size: int, attention_mask, assistant_mask, threshold, index,
+                        *, options: CollectOptions):
+  """`update_from_outputs` from the token entropy [B, T] (nats) instead of the logits; V sizes the histogram."""
   eligible = _eligible(attention_mask, assistant_mask, options.assistant_only)
   finite = jnp.isfinite(entropy)
   keep = eligible & finite & (entropy >= threshold)
@@ -236,7 +248,7 @@ def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, t
     control = _matched(eligible, keep, key_m) if options.unfiltered == "matched" else eligible
     new["unfiltered"] = stats_lib.update(state["unfiltered"], hidden, control, key_u)
   t = state["tokens"]
-  top = math.log(logits.shape[-1])
+  top = math.log(vocab_size)
   h = jnp.where(finite, entropy, 0.0)
   new["tokens"] = {
       "positions": t["positions"] + jnp.sum(attention_mask.astype(jnp.int32)),

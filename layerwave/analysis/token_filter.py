@@ -13,7 +13,11 @@ Two ways to set the cut:
     float per token) and returns the absolute threshold that the streaming pass then uses. The streamed cut is
     therefore the corpus percentile of the calibration sample, not of each batch.
 
-Legend (`layerwave.axes`): B batch, T tokens, V target vocabulary.
+Only the entropy (and at most the top-1) of each position is needed, so `entropy_from_hidden` computes them
+from the final-normed states [B, T, D] a chunk of positions at a time: the full float32 logits [B, T, V] are
+never held at once (for Gemma 3's V = 262,144 they are 1 MiB per token).
+
+Legend (`layerwave.axes`): B batch, T tokens, D target width, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import numpy as np
 
 __all__ = [
     "token_entropy",
+    "entropy_from_hidden",
     "masked_percentile",
     "entropy_filter_mask",
     "percentile_threshold",
@@ -54,6 +59,42 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   # exp(logp) * logp is 0 * -inf = nan for exactly-zero probabilities; where() keeps it 0.
   p = jnp.exp(logp)
   return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+
+
+LOGITS_CHUNK = 128  # positions whose [LOGITS_CHUNK, V] logits exist at once (128 MiB float32 for V = 262,144)
+
+
+def entropy_from_hidden(h: jax.Array, logits_fn, temperature: float = 1.0, chunk: int = LOGITS_CHUNK,
+                        top1: bool = False):
+  """Token entropy (and optionally the argmax) from final-normed states, `chunk` positions at a time.
+
+  Equal to `token_entropy(logits_fn(h))` (and `argmax`), without materialising the [B, T, V] logits: the
+  positions are cut into blocks of `chunk` and `jax.lax.map` runs the LM head, the log-softmax and the sums
+  over one block at a time.
+
+  Args:
+    h: [B, T, D] final-normed hidden states (`TargetOutput.last_hidden`).
+    logits_fn: [n, D] → [n, V] float32 logits (the target's LM head, `Transformer.logits`).
+    temperature: softmax temperature (> 0).
+    chunk: positions per block.
+    top1: also return the argmax token of every position.
+
+  Returns:
+    entropy [B, T] float32, or (entropy [B, T], top1 [B, T] int32) with `top1`.
+  """
+  b, t, d = h.shape
+  n = b * t
+  chunk = max(1, min(int(chunk), n))
+  flat = jnp.pad(h.reshape(n, d), ((0, -n % chunk), (0, 0)))
+
+  def block(x):
+    logits = logits_fn(x)
+    ent = token_entropy(logits, temperature)
+    return (ent, jnp.argmax(logits, axis=-1).astype(jnp.int32)) if top1 else ent
+
+  out = jax.lax.map(block, flat.reshape(-1, chunk, d))
+  unflat = lambda a: a.reshape(-1)[:n].reshape(b, t)  # noqa: E731
+  return (unflat(out[0]), unflat(out[1])) if top1 else unflat(out)
 
 
 def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array:

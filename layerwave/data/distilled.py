@@ -12,7 +12,6 @@ splits it later by `group`, as it does the source).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import glob
 import hashlib
@@ -80,7 +79,7 @@ def target_fingerprint(target: Target) -> str:
   found = checkpoint_fingerprint(target.path)
   if found is not None:
     return found
-  digest = hashlib.sha256(json.dumps(dataclasses.asdict(target.config), sort_keys=True, default=str).encode())
+  digest = hashlib.sha256(json.dumps(target.config.identity(), sort_keys=True, default=str).encode())
   for leaf in jax.tree.leaves(target.params):
     digest.update(np.asarray(leaf, np.float32).tobytes())
   return digest.hexdigest()[:16]

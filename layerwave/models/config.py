@@ -1,9 +1,17 @@
 """Target-model configuration: the first thing read from a checkpoint.
 
-`ModelConfig` is the one description of a Llama-family decoder that the Flax target, the weight loaders,
-the analysis and the draft agree on. It is built from a checkpoint's `config.json` through transformers'
-`AutoConfig` (no torch needed), normalising the two ways rope settings are written: transformers 5's
-`rope_parameters` and the older `rope_theta` + `rope_scaling`.
+`ModelConfig` is the one description of a decoder that the Flax target, the weight loaders, the analysis and
+the draft agree on: a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) or Gemma 3's text decoder. It is
+built from a checkpoint's `config.json` through transformers' `AutoConfig` (no torch needed), normalising the
+two ways rope settings are written: transformers 5's `rope_parameters` and the older `rope_theta` +
+`rope_scaling`.
+
+Gemma 3 (`model_type` "gemma3_text", `Gemma3ForCausalLM`) differs from the Llama block in ways the config
+carries: (1 + w) RMSNorms, norms before and after attention and the MLP, q/k RMSNorm, a GELU-tanh MLP,
+embeddings scaled by sqrt(D), attention scaled by `query_pre_attn_scalar`, sliding-window attention on the
+layers `layer_types` marks `sliding_attention` (their RoPE base `rope_local_theta`), global attention on the
+others (base `rope_theta`), and optional tanh soft-capping of the final logits. Gemma 1/2 and the multimodal
+Gemma 3 checkpoint are refused by name.
 """
 
 from __future__ import annotations
@@ -19,7 +27,22 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "gemma3_text": (False, True),
 }
+GEMMA3 = "gemma3_text"
+# Families that look close enough to be tried, with the reason each is refused.
+_REFUSED = {
+    "gemma": "Gemma 1 (no q/k norm, no sliding window) is not supported; layerwave supports Gemma 3 text "
+             "checkpoints (model_type 'gemma3_text').",
+    "gemma2": "Gemma 2 (attention-logit soft-capping, alternating sliding windows without q/k norm) is not "
+              "supported; layerwave supports Gemma 3 text checkpoints (model_type 'gemma3_text').",
+    "gemma3": "this is a Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration, a vision tower plus "
+              "a text decoder); layerwave's target is the text decoder only. Use a text-only Gemma 3 "
+              "checkpoint (model_type 'gemma3_text', Gemma3ForCausalLM, e.g. gemma-3-270m or gemma-3-1b).",
+    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp) is not supported; layerwave supports Gemma 3 text "
+               "checkpoints (model_type 'gemma3_text').",
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +67,14 @@ class ModelConfig:
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     bos_token_id: beginning-of-sequence id, if any.
     eos_token_ids: every id that ends generation.
+    sliding_window: Gemma 3: how many keys (the query's own included) a sliding layer reads.
+    layer_types: Gemma 3: per block, "sliding_attention" or "full_attention".
+    rope_local_theta: Gemma 3: RoPE base of the sliding layers (`rope_theta` is the global layers').
+    query_pre_attn_scalar: Gemma 3: attention scores are scaled by its -1/2 power (not head_dim's).
+    final_logit_softcapping: Gemma 3: logits = c * tanh(logits / c) when set.
+
+  The Gemma fields are None for every other family, and `identity()` leaves them out then, so configs of
+  the Llama family fingerprint as they did before Gemma was added.
   """
 
   model_type: str
@@ -63,6 +94,28 @@ class ModelConfig:
   qk_norm: bool = False
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  rope_local_theta: float | None = None
+  query_pre_attn_scalar: float | None = None
+  final_logit_softcapping: float | None = None
+
+  @property
+  def gemma(self) -> bool:
+    """Gemma 3's block: (1 + w) norms, sandwich norms, GELU-tanh MLP, scaled embeddings."""
+    return self.model_type == GEMMA3
+
+  def is_sliding(self, layer: int) -> bool:
+    """Whether block `layer` (0-based) attends through the sliding window."""
+    return self.layer_types is not None and self.layer_types[layer] == SLIDING
+
+  def identity(self) -> dict[str, Any]:
+    """The config as a dict for fingerprints: every field, less the Gemma fields when they are unset."""
+    d = dataclasses.asdict(self)
+    for name in _GEMMA_FIELDS:
+      if d[name] is None:
+        del d[name]
+    return d
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -74,10 +127,12 @@ class ModelConfig:
     get = hf_config.get if isinstance(hf_config, Mapping) else (
         lambda k, d=None: getattr(hf_config, k, d))
     model_type = get("model_type")
+    if model_type in _REFUSED:
+      raise ValueError(f"Unsupported model_type {model_type!r}: {_REFUSED[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
           f"Unsupported model_type {model_type!r}: layerwave's target supports "
-          f"{sorted(SUPPORTED_MODEL_TYPES)} (Llama-family decoders). Convert the checkpoint to one "
+          f"{sorted(SUPPORTED_MODEL_TYPES)} (Llama-family decoders and Gemma 3 text). Convert the checkpoint to one "
           "of these or add the family to layerwave/models/config.py.")
     for moe_key in ("num_local_experts", "num_experts", "n_routed_experts"):
       if get(moe_key):
@@ -87,11 +142,12 @@ class ModelConfig:
     num_heads = int(get("num_attention_heads"))
     hidden = int(get("hidden_size"))
     head_dim = get("head_dim") or hidden // num_heads
+    max_pos = int(get("max_position_embeddings") or 4096)
+    gemma = _gemma_fields(get, max_pos) if model_type == GEMMA3 else {}
     theta, scaling = _rope_settings(get)
     sliding = get("sliding_window")
     use_sliding = get("use_sliding_window", model_type == "mistral")
-    max_pos = int(get("max_position_embeddings") or 4096)
-    if sliding and use_sliding and int(sliding) < max_pos:
+    if not gemma and sliding and use_sliding and int(sliding) < max_pos:
       raise ValueError(
           f"Unsupported feature: sliding-window attention (sliding_window={sliding} < "
           f"max_position_embeddings={max_pos}); layerwave's cache is full attention. Set "
@@ -117,6 +173,7 @@ class ModelConfig:
         qk_norm=qk_norm,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **gemma,
     )
 
   @classmethod
@@ -124,6 +181,59 @@ class ModelConfig:
     """Reads `config.json` from a checkpoint directory via transformers' AutoConfig."""
     import transformers  # pylint: disable=g-import-not-at-top
     return cls.from_hf(transformers.AutoConfig.from_pretrained(os.fspath(path)))
+
+
+_GEMMA_FIELDS = ("sliding_window", "layer_types", "rope_local_theta", "query_pre_attn_scalar",
+                 "final_logit_softcapping")
+
+
+def _gemma_fields(get, max_pos: int) -> dict[str, Any]:
+  """Gemma 3's extra settings, validated; the global layers' RoPE is read by `_rope_settings`."""
+  num_layers = int(get("num_hidden_layers"))
+  act = get("hidden_activation") or get("hidden_act") or "gelu_pytorch_tanh"
+  if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    raise ValueError(f"Unsupported feature: Gemma 3 with hidden_activation {act!r}; layerwave's Gemma MLP "
+                     "is GELU with the tanh approximation ('gelu_pytorch_tanh').")
+  if get("use_bidirectional_attention"):
+    raise ValueError("Unsupported feature: use_bidirectional_attention (an embedding model, not a causal "
+                     "LM); layerwave's target is causal.")
+  if get("attn_logit_softcapping") is not None:
+    # Gemma 2 capped attention scores; Gemma 3 releases set null, and transformers' Gemma 3 ignores the
+    # field, so there is no reference to match a capped forward against.
+    raise ValueError(f"Unsupported feature: attn_logit_softcapping={get('attn_logit_softcapping')} (Gemma 3 "
+                     "checkpoints set it to null; transformers' Gemma 3 does not apply it).")
+  types = get("layer_types")
+  if types is None:  # older configs: every `sliding_window_pattern`-th block is global
+    pattern = int(get("sliding_window_pattern") or 6)
+    types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+  types = tuple(str(t) for t in types)
+  if len(types) != num_layers or set(types) - {SLIDING, FULL}:
+    raise ValueError(f"layer_types must name {num_layers} blocks, each {SLIDING!r} or {FULL!r}; got "
+                     f"{list(types)}.")
+  window = get("sliding_window")
+  if SLIDING in types:
+    if window is None or int(window) < 1:
+      raise ValueError(f"Gemma 3 config has sliding layers but sliding_window={window!r}.")
+    if int(window) > max_pos:
+      raise ValueError(
+          f"sliding_window {int(window)} is longer than the longest sequence the model's cache can hold "
+          f"(max_position_embeddings {max_pos}): the config is inconsistent. Fix sliding_window or "
+          "max_position_embeddings in config.json.")
+  params = get("rope_parameters") or {}
+  local = dict(params.get(SLIDING) or {}) if isinstance(params, Mapping) else {}
+  if local.get("rope_type", "default") not in (None, "default"):
+    raise ValueError(f"Unsupported feature: rope scaling {local.get('rope_type')!r} on the sliding layers.")
+  local_theta = local.get("rope_theta", get("rope_local_base_freq") or 10000.0)
+  head_dim = get("head_dim") or int(get("hidden_size")) // int(get("num_attention_heads"))
+
+  def opt(key):
+    value = get(key)
+    return None if value is None else float(value)
+
+  return dict(sliding_window=None if SLIDING not in types else int(window), layer_types=types,
+              rope_local_theta=float(local_theta),
+              query_pre_attn_scalar=float(get("query_pre_attn_scalar") or head_dim),
+              final_logit_softcapping=opt("final_logit_softcapping"))
 
 
 def _rope_settings(get) -> tuple[float, dict[str, Any] | None]:

@@ -79,11 +79,15 @@ class DraftConfig:
       raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {target.vocab_size}] "
                        "(the target's vocabulary size).")
     d = hidden_size or target.hidden_size
+    # The draft block is Llama-style whatever the target's family (as published EAGLE-3 drafts for Gemma
+    # and Qwen): a Gemma target's norms, sliding window and soft-capping are not copied.
     model = dataclasses.replace(
         target, vocab_size=int(draft_vocab_size), hidden_size=d, num_layers=int(num_layers),
         intermediate_size=intermediate_size or target.intermediate_size,
         head_dim=target.head_dim if d == target.hidden_size else d // target.num_heads,
-        tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+        tie_word_embeddings=False, attention_bias=False, qk_norm=False,
+        **({"model_type": "llama", "sliding_window": None, "layer_types": None, "rope_local_theta": None,
+            "query_pre_attn_scalar": None, "final_logit_softcapping": None} if target.gemma else {}))
     return cls(layer_ids=ids, target_num_layers=target.num_layers,
                target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
                model=model, fc_norm=fc_norm)

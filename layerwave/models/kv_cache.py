@@ -5,7 +5,9 @@ under a `[B, T, T]` mask among the new tokens (`causal_mask` for a chain or a pr
 tree). New tokens of row b are written to slots `lengths[b] ... lengths[b] + T - 1` (`write`); a query reads
 every slot below `lengths[b]` (the committed prefix) plus the new slots its mask row allows (`cache_mask`).
 Slots at or beyond `lengths[b] + T` are never read, so rolling back a rejected suffix is just not advancing
-`lengths`.
+`lengths`. Every caller keeps committed slot s holding the token at position s (a tree's accepted path is
+moved into contiguous slots before it is committed), which is what lets `window_mask` know a committed key's
+position from its slot.
 
 Legend (`layerwave.axes`): B batch, T tokens, S cache slots, G key/value heads, Dh head width.
 """
@@ -72,6 +74,34 @@ def cache_mask(new_mask: Array, lengths: Array, slots: int) -> Array:
   in_new = (rel >= 0) & (rel < t)
   gathered = jnp.take_along_axis(new_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
   return (rel < 0)[:, None, :] | (in_new[:, None, :] & gathered)
+
+
+def window_mask(positions: Array, window: int, lengths: Array | None = None,
+                slots: int | None = None) -> Array:
+  """Sliding-window restriction: a query reads only keys fewer than `window` positions behind it.
+
+  Combine it with the causal / tree mask (`&`); on its own it also allows keys ahead of the query.
+  Positions, not slot or column indices, decide, so left padding and tree nodes at equal depth are handled.
+
+  Args:
+    positions: `[B, T]` RoPE positions of the new tokens (the queries).
+    window: the sliding window (HF's `sliding_window`: the query's own key counts as one).
+    lengths: `[B]` committed cache length per row, or None for a cache-free call.
+    slots: S, with `lengths`.
+
+  Returns:
+    `[B, T, T]` without a cache, `[B, T, S]` with one (committed slot s holds position s; the new tokens sit
+    at slots `lengths[b] + i` with `positions[b, i]`).
+  """
+  if lengths is None:
+    key_pos = positions
+  else:
+    t = positions.shape[1]
+    slot = jnp.arange(slots)[None, :]
+    rel = slot - lengths[:, None]  # [B, S]
+    new_pos = jnp.take_along_axis(positions, jnp.clip(rel, 0, t - 1), axis=1)
+    key_pos = jnp.where(rel < 0, slot, new_pos)
+  return (positions[:, :, None] - key_pos[:, None, :]) < window
 
 
 def write(buffer: Array, new: Array, lengths: Array) -> Array:

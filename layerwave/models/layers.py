@@ -1,4 +1,7 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, attention, SwiGLU MLP.
+"""Building blocks of the decoders: RMSNorm, rotary embeddings, attention, gated MLP.
+
+Llama's blocks, and Gemma 3's variants of them: the (1 + w) RMSNorm, attention scaled by a configured
+scalar, tanh soft-capping of the logits, and the GELU-tanh gated MLP.
 
 Shared by the target (`target.py`) and the EAGLE-3 draft. Parameters are stored as `[in, out]` kernels so a
 layer is `x @ kernel`; the weight loaders transpose Hugging Face's `[out, in]` tensors once at load time.
@@ -37,16 +40,26 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm with a learned scale, computed in float32 (as Hugging Face's Llama)."""
+  """Root-mean-square norm with a learned scale, computed in float32 (as Hugging Face's Llama).
 
-  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+  With `unit_offset` (Gemma) the stored weight w multiplies as (1 + w), w initialised to 0.
+  """
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, unit_offset: bool = False):
+    self.scale = nnx.Param(jnp.zeros((dim,), dtype) if unit_offset else jnp.ones((dim,), dtype))
     self.eps = eps
+    self.unit_offset = unit_offset
 
   def __call__(self, x: Array) -> Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (self.scale[...].astype(jnp.float32) * x32).astype(x.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    return ((1.0 + scale if self.unit_offset else scale) * x32).astype(x.dtype)
+
+
+def softcap(x: Array, cap: float | None) -> Array:
+  """`cap * tanh(x / cap)` (Gemma's soft-capping), or `x` when `cap` is None."""
+  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
@@ -79,7 +92,7 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
   return out.astype(x.dtype)
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def attend(q: Array, k: Array, v: Array, mask: Array, scale: float | None = None) -> Array:
   """Grouped-query attention.
 
   Args:
@@ -87,6 +100,7 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
     k: keys `[B, S, G, Dh]`, with H a multiple of G.
     v: values `[B, S, G, Dh]`.
     mask: `[B, T, S]` boolean, True where a query may read a key.
+    scale: multiplies the scores; `1 / sqrt(Dh)` when None (Gemma: `query_pre_attn_scalar ** -0.5`).
 
   Returns:
     `[B, T, H, Dh]`.
@@ -95,7 +109,7 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
   g = k.shape[2]
   q = q.reshape(b, t, g, h // g, dh)  # r = H / G query heads per key/value head
   scores = jnp.einsum("btgrd,bsgd->bgrts", q, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(dh)
+  scores = scores / math.sqrt(dh) if scale is None else scores * scale
   scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bgrts,bsgd->btgrd", probs, v)
@@ -103,12 +117,15 @@ def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
 
 
 class MLP(nnx.Module):
-  """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+  """Gated MLP: `down(act(gate(x)) * up(x))`, act SiLU (SwiGLU, Llama) or tanh-approximated GELU (Gemma)."""
 
-  def __init__(self, dim: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, dim: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs, gelu: bool = False):
     self.gate_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
     self.up_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
     self.down_proj = Linear(hidden, dim, dtype=dtype, rngs=rngs)
+    self.gelu = gelu
 
   def __call__(self, x: Array) -> Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    gate = self.gate_proj(x)
+    act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+    return self.down_proj(act * self.up_proj(x))

@@ -1,4 +1,4 @@
-"""The target LLM in Flax NNX: a Llama-family decoder that returns every layer's hidden states.
+"""The target LLM in Flax NNX: a Llama-family or Gemma 3 decoder that returns every layer's hidden states.
 
 This is the first stage of the pipeline: the analysis reads its hidden states, the draft trains on them and
 the speculative loop verifies with it. One forward serves every use:
@@ -8,6 +8,8 @@ the speculative loop verifies with it. One forward serves every use:
 * verification of several new tokens against the cache under any mask among them (a chain or a tree).
 
 The cache, how new tokens are written into it and what each one reads are `layerwave.models.kv_cache`.
+Gemma 3's sliding layers read only keys less than `sliding_window` positions behind the query, in all three
+uses (`kv_cache.window_mask`); the cache itself stays full length, so a window never needs a ring buffer.
 
 Hidden states follow Hugging Face's convention (shared/METHOD.md §1): index 0 is the embedding output,
 index i (1 <= i < L) the output of block i-1, index L the final RMSNorm of the last block's output.
@@ -48,7 +50,7 @@ class TargetOutput:
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k norm (Qwen3)."""
+  """Grouped-query self-attention with RoPE, optional q/k/v bias (Qwen2) and q/k norm (Qwen3, Gemma 3)."""
 
   def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, d_in: int | None = None):
     c = config
@@ -63,10 +65,11 @@ class Attention(nnx.Module):
                                 rngs=rngs)
     self.o_proj = layers.Linear(c.num_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
     if c.qk_norm:
-      self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-      self.k_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+      self.q_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, unit_offset=c.gemma)
+      self.k_norm = layers.RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, unit_offset=c.gemma)
     else:
       self.q_norm = self.k_norm = None
+    self.scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
 
   def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
     b, t, _ = x.shape
@@ -81,30 +84,43 @@ class Attention(nnx.Module):
       k = kv_cache.write(cache_kv[0], k, lengths)
       v = kv_cache.write(cache_kv[1], v, lengths)
       cache_kv = (k, v)
-    out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1)), cache_kv
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+  """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+  Gemma 3 wraps both sublayers in norms: `x + post_attn_norm(attn(norm(x)))`, then
+  `x + post_ffw_norm(mlp(pre_ffw_norm(x)))`, every norm (1 + w) (HF's attribute names, so weights map).
+  """
 
   def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
-    self.input_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    d, eps, gemma = config.hidden_size, config.rms_norm_eps, config.gemma
+    self.input_layernorm = layers.RMSNorm(d, eps, dtype=dtype, unit_offset=gemma)
     self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
-    self.post_attention_layernorm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                   dtype=dtype)
-    self.mlp = layers.MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = layers.RMSNorm(d, eps, dtype=dtype, unit_offset=gemma)
+    if gemma:
+      self.pre_feedforward_layernorm = layers.RMSNorm(d, eps, dtype=dtype, unit_offset=True)
+      self.post_feedforward_layernorm = layers.RMSNorm(d, eps, dtype=dtype, unit_offset=True)
+    else:
+      self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+    self.mlp = layers.MLP(d, config.intermediate_size, dtype=dtype, rngs=rngs, gelu=gemma)
 
   def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
     h, cache_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache_kv,
                                  lengths)
-    x = x + h
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    if self.pre_feedforward_layernorm is None:
+      x = x + h
+      x = x + self.mlp(self.post_attention_layernorm(x))
+    else:
+      x = x + self.post_attention_layernorm(h)
+      x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
     return x, cache_kv
 
 
 class Transformer(nnx.Module):
-  """Llama-family causal LM. Attribute names mirror Hugging Face's so weights map one to one."""
+  """Llama-family or Gemma 3 causal LM. Attribute names mirror Hugging Face's so weights map one to one."""
 
   def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
@@ -113,18 +129,26 @@ class Transformer(nnx.Module):
                                   param_dtype=dtype, rngs=rngs)
     self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs)
                             for _ in range(config.num_layers)])
-    self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    self.norm = layers.RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                               unit_offset=config.gemma)
     self.lm_head = None if config.tie_word_embeddings else layers.Linear(
         config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
 
   def logits(self, h: Array) -> Array:
-    """LM head on final-normed states `[..., D]` → float32 logits `[..., V]`."""
+    """LM head on final-normed states `[..., D]` → float32 logits `[..., V]` (soft-capped if configured)."""
     if self.lm_head is None:
       w = self.embed_tokens.embedding[...]
-      return jnp.einsum("...d,vd->...v", h, w.astype(h.dtype),
-                        preferred_element_type=jnp.float32)
-    return jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype),
-                   preferred_element_type=jnp.float32)
+      out = jnp.einsum("...d,vd->...v", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    else:
+      out = jnp.dot(h, self.lm_head.kernel[...].astype(h.dtype), preferred_element_type=jnp.float32)
+    return layers.softcap(out, self.config.final_logit_softcapping)
+
+  def embed(self, tokens: Array) -> Array:
+    """Token embeddings `[B, T, D]`; Gemma scales them by sqrt(D), rounded to the embedding dtype as HF does."""
+    x = self.embed_tokens(tokens)
+    if self.config.gemma:
+      x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embed_tokens.embedding[...].dtype)
+    return x
 
   def __call__(
       self,
@@ -160,13 +184,21 @@ class Transformer(nnx.Module):
       full_mask = kv_cache.cache_mask(mask, lengths, cache.slots)
     else:
       full_mask = mask
-    x = self.embed_tokens(tokens)
+    local_mask = local_freq = None
+    if c.sliding_window is not None:  # Gemma 3's sliding layers: a narrower mask and their own RoPE base
+      local_mask = full_mask & kv_cache.window_mask(positions, c.sliding_window, lengths,
+                                                    None if cache is None else cache.slots)
+      local_freq = jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_local_theta, None), jnp.float32)
+    x = self.embed(tokens)
     wanted = set(range(c.num_layers + 1) if hidden_layers is None else hidden_layers)
     collected = {0: x} if return_hidden_states and 0 in wanted else {}
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.keys[i], cache.values[i])
-      x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths)
+      if c.is_sliding(i):
+        x, kv = layer(x, positions, local_freq, local_mask, kv, lengths)
+      else:
+        x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])

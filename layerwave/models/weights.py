@@ -1,4 +1,4 @@
-"""Checkpoint → Flax parameters: Hugging Face safetensors directories and llama GGUF files.
+"""Checkpoint → Flax parameters: Hugging Face safetensors directories and llama / gemma3 GGUF files.
 
 One loader serves both formats: a GGUF file is converted once into an HF-layout directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with the chat template) in a cache outside the
@@ -139,8 +139,22 @@ def _field(reader, key, default=None):
   return f.contents()
 
 
+_GEMMA3_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# What llama.cpp fixes in code for gemma3 rather than storing in the file (llama-model.cpp): every 6th block
+# is global, the sliding blocks' RoPE base is 10,000, and scores are scaled by 1/sqrt(key_length).
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
-  """Dequantizes a llama-architecture GGUF into an HF-layout directory, atomically.
+  """Dequantizes a llama- or gemma3-architecture GGUF into an HF-layout directory, atomically.
 
   The directory is written under a temporary name next to `out_dir` and renamed into place, so an
   interrupted conversion never leaves a half-written checkpoint.
@@ -158,12 +172,14 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
   except Exception as e:  # gguf raises assorted errors (ValueError, struct.error, ...) on bad files
     raise ValueError(f"Cannot read GGUF file {gguf_path}: it is truncated or corrupt ({e!r}).") from e
   arch = _field(reader, "general.architecture")
-  if arch != "llama":
+  if arch not in ("llama", "gemma3"):
     raise ValueError(f"GGUF file {gguf_path} has architecture {arch!r}; layerwave converts only "
-                     "'llama' GGUF files (use an HF safetensors directory for other families).")
-  n_head = int(_field(reader, "llama.attention.head_count"))
-  n_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
-  hidden = int(_field(reader, "llama.embedding_length"))
+                     "'llama' and 'gemma3' GGUF files (use an HF safetensors directory for other families).")
+  gemma = arch == "gemma3"
+  n_head = int(_field(reader, f"{arch}.attention.head_count"))
+  n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+  hidden = int(_field(reader, f"{arch}.embedding_length"))
+  names = _GEMMA3_GGUF_NAMES if gemma else _GGUF_NAMES
   tensors = {}
   try:
     for t in reader.tensors:
@@ -176,30 +192,35 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
         name = "model.norm.weight"
       elif t.name == "output.weight":
         name = "lm_head.weight"
-      elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-        name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[-1]}"
-        if parts[2] == "attn_q":
+      elif parts[0] == "blk" and parts[2] in names:
+        name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[-1]}"
+        if not gemma and parts[2] == "attn_q":  # gemma3's rope is NeoX-style: stored unpermuted
           w = _unpermute(w, n_head)
-        elif parts[2] == "attn_k":
+        elif not gemma and parts[2] == "attn_k":
           w = _unpermute(w, n_kv)
       else:
         continue  # e.g. rope_freqs: recomputed from the config
+      if gemma and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
       tensors[name] = np.ascontiguousarray(w)
   except (ValueError, IndexError, TypeError) as e:
     raise ValueError(f"GGUF file {gguf_path} is truncated or corrupt: {e!r}") from e
-  vocab = int(_field(reader, "llama.vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data))
-  head_dim = int(_field(reader, "llama.rope.dimension_count", hidden // n_head))
+  vocab = int(_field(reader, f"{arch}.vocab_size", 0) or len(reader.fields["tokenizer.ggml.tokens"].data))
+  head_dim = int(_field(reader, f"{arch}.attention.key_length", 0)
+                 or _field(reader, f"{arch}.rope.dimension_count", hidden // n_head))
   bos = _field(reader, "tokenizer.ggml.bos_token_id")
   eos = _field(reader, "tokenizer.ggml.eos_token_id")
+  num_layers = int(_field(reader, f"{arch}.block_count"))
   config = {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "architectures": ["Gemma3ForCausalLM" if gemma else "LlamaForCausalLM"],
+      "model_type": "gemma3_text" if gemma else "llama",
       "vocab_size": vocab, "hidden_size": hidden,
-      "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
-      "num_hidden_layers": int(_field(reader, "llama.block_count")),
+      "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+      "num_hidden_layers": num_layers,
       "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": head_dim,
-      "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-      "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-      "max_position_embeddings": int(_field(reader, "llama.context_length", 2048)),
+      "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+      "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+      "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
       "tie_word_embeddings": "lm_head.weight" not in tensors,
       "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
       "bos_token_id": None if bos is None else int(bos),
@@ -208,6 +229,15 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
       "torch_dtype": "float32",
       "layerwave_source": {"gguf": os.path.basename(gguf_path), "converter": CONVERTER_VERSION},
   }
+  if gemma:
+    del config["hidden_act"], config["mlp_bias"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
+        layer_types=["sliding_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN else "full_attention"
+                     for i in range(num_layers)],
+        rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE, final_logit_softcapping=None,
+        attn_logit_softcapping=None)
   with atomic.atomic_directory(out_dir, prefix=".tmp-convert-") as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2)
@@ -217,13 +247,23 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
 
 
 def _write_gguf_tokenizer(reader, out_dir: str, config: dict) -> None:
-  """Writes tokenizer.json + tokenizer_config.json from a GGUF's byte-level BPE (`gpt2`) vocabulary."""
+  """Writes tokenizer.json + tokenizer_config.json from a GGUF's vocabulary: byte-level BPE (`gpt2`), or
+  Gemma's SentencePiece BPE (`llama` model in a gemma3 file)."""
   import tokenizers  # pylint: disable=g-import-not-at-top
   from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
   model = _field(reader, "tokenizer.ggml.model")
-  if model != "gpt2":
-    raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2').")
   tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+  if model == "llama" and config["model_type"] == "gemma3_text":
+    tok = gemma_sentencepiece_tokenizer(tokens, list(_field(reader, "tokenizer.ggml.token_type")),
+                                        bool(_field(reader, "tokenizer.ggml.add_bos_token", True)),
+                                        config["bos_token_id"],
+                                        _field(reader, "tokenizer.ggml.unknown_token_id"))
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    _write_tokenizer_config(reader, out_dir, config, tokens)
+    return
+  if model != "gpt2":
+    raise ValueError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2', or "
+                     "SentencePiece 'llama' in a gemma3 file).")
   merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
   types = list(_field(reader, "tokenizer.ggml.token_type"))
   pre = _field(reader, "tokenizer.ggml.pre", "default")
@@ -243,6 +283,11 @@ def _write_gguf_tokenizer(reader, out_dir: str, config: dict) -> None:
              for t, ty in zip(tokens, types) if ty == 3]  # 3 = control token
   tok.add_special_tokens(special)
   tok.save(os.path.join(out_dir, "tokenizer.json"))
+  _write_tokenizer_config(reader, out_dir, config, tokens)
+
+
+def _write_tokenizer_config(reader, out_dir: str, config: dict, tokens: list[str]) -> None:
+  """tokenizer_config.json: the special tokens by name, BOS handling and the chat template (if any)."""
 
   def name(i):
     return None if i is None else tokens[int(i)]
@@ -254,9 +299,61 @@ def _write_gguf_tokenizer(reader, out_dir: str, config: dict) -> None:
       "eos_token": name(config["eos_token_id"]),
       "pad_token": name(config["pad_token_id"]),
       "unk_token": name(_field(reader, "tokenizer.ggml.unknown_token_id")),
-      "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+      "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token",
+                                   config["model_type"] == "gemma3_text")),
       "clean_up_tokenization_spaces": False,
       "chat_template": _field(reader, "tokenizer.chat_template"),
   }
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
     json.dump(tok_config, f, indent=2)
+
+
+def gemma_sentencepiece_tokenizer(tokens: list[str], types: list[int], add_bos: bool, bos_id: int | None,
+                                  unk_id: int | None = None):
+  """Gemma's SentencePiece BPE as a `tokenizers.Tokenizer`, from a GGUF's token list and token types.
+
+  SentencePiece BPE merges the adjacent pair whose result ranks best; a GGUF keeps no merge list, and
+  Gemma's pieces are stored best-first (the scores of normal pieces are minus their rank), so the merges
+  are every split of a normal or user-defined piece into two pieces of the vocabulary, ranked by the
+  merged piece's id (for one piece, the longer left part first). Text is not pre-split: spaces become
+  '▁' and there is no prefix space. Unknown bytes fall back to the `<0xNN>` pieces. Control tokens
+  (type 3) are special tokens and user-defined ones (type 4: newlines, tabs, HTML tags) are matched whole;
+  the whitespace-run pieces are stored with real spaces, and are spelt with '▁' here like every other.
+
+  Args:
+    tokens: the GGUF's `tokenizer.ggml.tokens`, id order.
+    types: its `tokenizer.ggml.token_type` (1 normal, 3 control, 4 user-defined, 6 byte).
+    add_bos: prepend the BOS token to every encoded sequence.
+    bos_id: the BOS token's id.
+    unk_id: the unknown token's id (what an unknown piece becomes when no byte piece covers it).
+
+  Returns:
+    The tokenizer.
+  """
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, normalizers, processors  # pylint: disable=g-import-not-at-top
+  pieces = [t.replace(" ", "\u2581") if t and not t.strip(" ") else t for t in tokens]
+  vocab = {}
+  for i, piece in enumerate(pieces):
+    vocab.setdefault(piece, i)
+  merges = []
+  for i, piece in enumerate(pieces):
+    if types[i] not in (1, 4) or len(piece) < 2 or vocab[piece] != i:
+      continue
+    for cut in range(len(piece) - 1, 0, -1):  # the longer left part first
+      left, right = piece[:cut], piece[cut:]
+      if left in vocab and right in vocab:
+        merges.append((left, right))
+  tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                        unk_token=None if unk_id is None else tokens[int(unk_id)]))
+  tok.normalizer = normalizers.Replace(" ", "\u2581")
+  tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+  tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                          for t, ty in zip(tokens, types) if ty == 3])
+  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
+                  for t, p, ty in zip(tokens, pieces, types) if ty == 4 and t == p])
+  if add_bos and bos_id is not None:
+    bos = tokens[bos_id]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+  return tok

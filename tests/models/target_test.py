@@ -214,3 +214,115 @@ def test_forward_rejects_bad_batches(tmp_path):
     target.forward(np.zeros((1, 0), np.int32))
   with pytest.raises(ValueError, match="Token ids must lie in"):
     target.forward(np.array([[1, 2, 500]]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gemma 3: the sliding window in isolation, the configs it refuses, fingerprints of the other families.
+
+def test_window_mask_reads_keys_by_position():
+  """Cache-free and cached forms agree with a direct rule over the keys' positions (tree nodes included)."""
+  from layerwave.models import kv_cache
+  positions = np.array([[0, 1, 2, 3, 4, 5], [3, 4, 5, 5, 6, 6]])
+  got = np.asarray(kv_cache.window_mask(jnp.asarray(positions), 3))
+  np.testing.assert_array_equal(got, (positions[:, :, None] - positions[:, None, :]) < 3)
+  # Against 16 slots: row 0 has 2 committed tokens, row 1 has 3 (slot s holds position s); the new tokens
+  # (a chain in row 0, two branches in row 1) follow at slots lengths + i, their positions not their slots.
+  lengths = np.array([2, 3])
+  new_pos = positions + lengths[:, None]
+  got = np.asarray(kv_cache.window_mask(jnp.asarray(new_pos), 3, jnp.asarray(lengths), 16))
+  for b in range(2):
+    key_pos = list(range(lengths[b])) + list(new_pos[b])
+    want = (new_pos[b][:, None] - np.array(key_pos)[None, :]) < 3
+    np.testing.assert_array_equal(got[b, :, :len(key_pos)], want)
+
+
+def test_gemma_deep_tree_verification_honours_the_window(tmp_path):
+  """Two branches of 6 nodes (window 4): a node reads only its own ancestors within the window, by position."""
+  hf_reference.save_hf_model("gemma3", str(tmp_path))
+  target = layerwave.load_target(str(tmp_path))
+  prefix = np.array([[5, 9, 13, 17, 19]])
+  a, b_ = [21, 22, 23, 24, 25, 26], [31, 32, 33, 34, 35, 36]
+  full_a = target.forward(np.concatenate([prefix, [a]], 1)).logits
+  full_b = target.forward(np.concatenate([prefix, [b_]], 1)).logits
+  cache = KVCache.zeros(target.config, 1, 24)
+  out = inference.cached_forward(target.graphdef, target.params, prefix, np.arange(5)[None],
+                                 causal_mask(jnp.ones((1, 5), jnp.int32)), cache, jnp.zeros(1, jnp.int32))
+  chain = np.tril(np.ones((6, 6), bool))
+  tree = np.zeros((12, 12), bool)
+  tree[:6, :6] = tree[6:, 6:] = chain
+  pos = np.concatenate([np.arange(5, 11), np.arange(5, 11)])[None]
+  o = inference.cached_forward(target.graphdef, target.params, np.array([a + b_]), pos,
+                               jnp.asarray(tree[None]), out.cache, jnp.array([5]))
+  np.testing.assert_allclose(o.logits[0, :6], full_a[0, 5:], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(o.logits[0, 6:], full_b[0, 5:], atol=1e-4, rtol=1e-4)
+
+
+GEMMA = dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,
+             num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+             max_position_embeddings=64, sliding_window=8)
+
+
+def test_gemma_config_defaults_follow_the_sliding_window_pattern():
+  c = ModelConfig.from_hf({**GEMMA, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+  assert c.gemma and c.qk_norm and c.tie_word_embeddings is False
+  assert [c.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+  assert (c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (1e6, 1e4, 4.0)
+  assert c.final_logit_softcapping is None and c.sliding_window == 8
+
+
+@pytest.mark.parametrize("model_type,match", [
+    ("gemma", "Unsupported model_type 'gemma': Gemma 1"),
+    ("gemma2", "Unsupported model_type 'gemma2': Gemma 2"),
+    ("gemma3", "Gemma 3 multimodal checkpoint"),
+    ("gemma3n", "Gemma 3n"),
+])
+def test_other_gemma_families_are_refused_by_name(model_type, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf({**GEMMA, "model_type": model_type})
+
+
+def test_gemma3_multimodal_checkpoint_directory_is_refused(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  config = transformers.Gemma3Config(text_config={**GEMMA, "model_type": "gemma3_text"},
+                                     vision_config=dict(hidden_size=8, intermediate_size=16,
+                                                        num_hidden_layers=1, num_attention_heads=2))
+  config.save_pretrained(str(tmp_path))
+  with pytest.raises(ValueError, match="Gemma 3 multimodal checkpoint"):
+    layerwave.load_target(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(sliding_window=65), r"sliding_window 65 is longer than .* \(max_position_embeddings 64\)"),
+    (dict(sliding_window=None), "has sliding layers but sliding_window=None"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    (dict(hidden_activation="relu"), "GELU with the tanh approximation"),
+    (dict(layer_types=["sliding_attention"] * 5), "layer_types must name 6 blocks"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+])
+def test_gemma_configs_the_target_cannot_honour_are_refused(edit, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf({**GEMMA, **edit})
+
+
+def test_llama_identity_has_only_the_llama_fields():
+  """Fingerprints of existing (Llama-family) targets, stores and distilled sets do not move with Gemma."""
+  llama = ModelConfig("llama", 97, 32, 48, 6, 4, 2, 8)
+  assert set(llama.identity()) == {
+      "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+      "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+      "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "eos_token_ids"}
+  gemma = ModelConfig.from_hf(GEMMA)
+  assert {"sliding_window", "layer_types", "rope_local_theta"} <= set(gemma.identity())
+
+
+def test_gemma_generate_equals_transformers_generate(tmp_path):
+  """Greedy decoding past the window (4) through local and global blocks, tokens as HF's generate."""
+  hf_model = hf_reference.save_hf_model("gemma3", str(tmp_path), seed=2)
+  target = layerwave.load_target(str(tmp_path))
+  prompts = [[5, 17, 33, 8, 41, 50, 51], [12, 9]]
+  ours = layerwave.generate(target, prompts, max_new_tokens=10, ignore_eos=True)
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10,
+                              do_sample=False, pad_token_id=0)
+    assert got == ref[0, len(prompt):].tolist()

@@ -3,6 +3,8 @@
 * `llama`: the tiny Hugging Face-style Llama of `tests/models/hf_reference.py` (V = 97, L = 3), loaded
   through `layerwave.load_target`, with an untrained draft and a draft overfit to its greedy continuations
   of `PROMPTS` (a stand-in for a trained draft: it accepts often, so long accepted paths are exercised).
+* `gemma`: the tiny Gemma 3 of the same module (window 4, local and global blocks), with a draft overfit the
+  same way: decoding runs far past the window, through verification of chains and trees.
 * `tiny_vocab`: an 8-token target built directly in NNX, for distribution tests with exact probabilities.
 """
 
@@ -79,6 +81,18 @@ def llama(tmp_path_factory):
   trained = overfit_draft(target, make_draft(target, (1, 2, 3), seed=1),
                           [p + c for p, c in zip(PROMPTS, continuations)])
   return target, untrained, trained
+
+
+@pytest.fixture(scope="session")
+def gemma(tmp_path_factory):
+  hf_reference = pytest.importorskip("tests.models.hf_reference")
+  directory = str(tmp_path_factory.mktemp("gemma3"))
+  hf_reference.save_hf_model("gemma3", directory, seed=3)
+  target = layerwave.load_target(directory)
+  continuations = layerwave.generate(target, PROMPTS, 40, ignore_eos=True)
+  trained = overfit_draft(target, make_draft(target, (1, 2, 3), seed=1),
+                          [p + c for p, c in zip(PROMPTS, continuations)])
+  return target, trained
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,16 @@ def test_greedy_equals_generate(llama, options, which, batch):
 
 
 @pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
+def test_gemma_target_greedy_equals_generate_past_the_window(gemma, options):
+  """Verification and commits against a Gemma 3 target whose sliding window (4) is far shorter than the text."""
+  target, trained = gemma
+  ref = layerwave.generate(target, PROMPTS, 24)
+  out, metrics = layerwave.speculative.generate(target, trained, PROMPTS, 24, **options)
+  assert out == ref
+  assert metrics["tau"] > 1.5  # drafts were accepted, so accepted paths were committed and read back
+
+
+@pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
 def test_rows_stop_at_their_own_eos(llama, options):
   target, _, trained = llama
   free = layerwave.generate(target, PROMPTS, 16, ignore_eos=True)
