@@ -7,7 +7,10 @@ its `ModelConfig`, tokenizer and mesh. The functions beside it:
 * `cached_forward`: new tokens against a `KVCache` under any mask among them, un-jitted because it runs
   inside the jitted decoding loops (prefill, decoding, and the speculative loop's verification of a chain or
   a tree);
-* `new_cache` and `pad_prompts`: the decoding loops' cache (batch over `'data'`) and right-padded prompts.
+* `new_cache` and `pad_prompts`: the decoding loops' cache (batch over `'data'`) and right-padded prompts;
+* `over_positions`: a per-position function of the final states (the LM head and what is reduced from its
+  logits: token entropy, top-1) a block of positions at a time, so that [B, T, V] logits never exist at once
+  (1 MiB per token in float32 for Gemma 3's V = 262,144). The analysis and the feature extraction use it.
 
 The draft-training step merges the target inside its own jitted step instead (`layerwave.training.step`).
 
@@ -139,6 +142,31 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int) -> None:
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   """RoPE positions `[B, T]`: the index among real tokens (correct for left and right padding)."""
   return jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+LOGITS_CHUNK = 128  # positions whose [LOGITS_CHUNK, V] logits exist at once (128 MiB float32 for V = 262,144)
+
+
+def over_positions(h: jax.Array, fn, chunk: int = LOGITS_CHUNK):
+  """`fn` applied to the positions of `h` a block of `chunk` positions at a time (`jax.lax.map`).
+
+  Equal to `fn(h.reshape(-1, D))` reshaped back to [B, T, ...] when `fn` treats positions independently (the
+  LM head and any reduction over V), but only one block's intermediates ([chunk, V] logits) exist at once.
+
+  Args:
+    h: [B, T, D] states (`TargetOutput.last_hidden`).
+    fn: [n, D] → a pytree of [n, ...] arrays, position by position.
+    chunk: positions per block (B * T need not be a multiple: the last block is padded and cut).
+
+  Returns:
+    `fn`'s pytree with each leaf [B, T, ...].
+  """
+  b, t, d = h.shape
+  n = b * t
+  chunk = max(1, min(int(chunk), n))
+  flat = jnp.pad(h.reshape(n, d), ((0, -n % chunk), (0, 0)))
+  out = jax.lax.map(fn, flat.reshape(-1, chunk, d))
+  return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:n].reshape(b, t, *a.shape[2:]), out)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden_states", "hidden_layers",

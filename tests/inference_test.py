@@ -66,6 +66,20 @@ def test_new_cache_shape_dtype_and_placement(target):
   assert cache.keys[0].sharding.is_equivalent_to(sharding.batch_sharding(target.mesh, 4), 4)
 
 
+@pytest.mark.parametrize("chunk", [1, 5, 21, 100])
+def test_over_positions_equals_the_function_on_all_positions(target, chunk):
+  """Blocks of any size (a remainder, exact, all, more than all) give `fn` of every position, pytree leaves
+  with trailing axes reshaped to [B, T, ...]; the LM head's argmax bit for bit."""
+  h = jax.random.normal(jax.random.key(0), (3, 7, 16))
+  model = target.model
+  fn = lambda x: {"top1": jnp.argmax(model.logits(x), -1), "two": jnp.stack([x.sum(-1), x.max(-1)], -1)}  # noqa: E731
+  got = inference.over_positions(h, fn, chunk)
+  full = fn(h.reshape(21, 16))
+  np.testing.assert_array_equal(got["top1"], np.asarray(full["top1"]).reshape(3, 7))
+  np.testing.assert_allclose(got["two"], np.asarray(full["two"]).reshape(3, 7, 2), rtol=1e-6)
+  assert got["two"].shape == (3, 7, 2)
+
+
 def test_pad_prompts():
   tokens, lengths, n = inference.pad_prompts([[4, 5, 6], [7]], vocab_size=40, multiple=4)
   assert n == 2 and tokens.shape == (4, 16) and tokens.dtype == np.int32

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layerwave import inference
+
 __all__ = [
     "token_entropy",
     "entropy_from_hidden",
@@ -61,7 +63,7 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   return -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
 
 
-LOGITS_CHUNK = 128  # positions whose [LOGITS_CHUNK, V] logits exist at once (128 MiB float32 for V = 262,144)
+LOGITS_CHUNK = inference.LOGITS_CHUNK
 
 
 def entropy_from_hidden(h: jax.Array, logits_fn, temperature: float = 1.0, chunk: int = LOGITS_CHUNK,
@@ -69,8 +71,8 @@ def entropy_from_hidden(h: jax.Array, logits_fn, temperature: float = 1.0, chunk
   """Token entropy (and optionally the argmax) from final-normed states, `chunk` positions at a time.
 
   Equal to `token_entropy(logits_fn(h))` (and `argmax`), without materialising the [B, T, V] logits: the
-  positions are cut into blocks of `chunk` and `jax.lax.map` runs the LM head, the log-softmax and the sums
-  over one block at a time.
+  positions are cut into blocks of `chunk` and `inference.over_positions` runs the LM head, the log-softmax
+  and the sums over one block at a time.
 
   Args:
     h: [B, T, D] final-normed hidden states (`TargetOutput.last_hidden`).
@@ -82,19 +84,12 @@ def entropy_from_hidden(h: jax.Array, logits_fn, temperature: float = 1.0, chunk
   Returns:
     entropy [B, T] float32, or (entropy [B, T], top1 [B, T] int32) with `top1`.
   """
-  b, t, d = h.shape
-  n = b * t
-  chunk = max(1, min(int(chunk), n))
-  flat = jnp.pad(h.reshape(n, d), ((0, -n % chunk), (0, 0)))
-
   def block(x):
     logits = logits_fn(x)
     ent = token_entropy(logits, temperature)
     return (ent, jnp.argmax(logits, axis=-1).astype(jnp.int32)) if top1 else ent
 
-  out = jax.lax.map(block, flat.reshape(-1, chunk, d))
-  unflat = lambda a: a.reshape(-1)[:n].reshape(b, t)  # noqa: E731
-  return (unflat(out[0]), unflat(out[1])) if top1 else unflat(out)
+  return inference.over_positions(h, block, chunk)
 
 
 def masked_percentile(values: jax.Array, mask: jax.Array, q: float) -> jax.Array:

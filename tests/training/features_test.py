@@ -23,10 +23,12 @@ from flax import nnx
 import layerwave
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
+from layerwave import inference
 from layerwave import sharding
 from layerwave.data.options import DataOptions
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features
+from layerwave.training import losses
 from layerwave.training import loop
 from layerwave.training import step as step_lib
 from layerwave.training.features import extraction
@@ -121,6 +123,26 @@ def test_store_holds_every_real_token_and_reads_back_in_dataset_order(store32, d
   np.testing.assert_allclose(split[3]["hidden"], np.asarray(out.hidden_states)[list(LAYERS), 0], atol=2e-5)
   np.testing.assert_allclose(split[3]["final"], np.asarray(out.hidden_states)[8, 0], atol=2e-5)
   np.testing.assert_array_equal(split[3]["argmax"], np.argmax(np.asarray(out.logits)[0], -1))
+
+
+def test_extraction_top1_in_blocks_of_positions_is_the_full_logits_argmax(target, dataset):
+  """The forward's argmax, any block size (one that leaves a remainder of B * T = 256, exact ones, the
+  default), is bit-identical to the argmax of the full [B, T, V] logits; the compiled forward holds one
+  block's logits, never [B, T, V]."""
+  batch = _online_batch(dataset, "train", 64)
+  tokens, mask = jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)
+  logits = np.asarray(inference.forward_fn(target.graphdef, target.params, tokens, mask).logits)
+  expected = np.argmax(logits, -1)
+  np.testing.assert_array_equal(losses.argmax(jnp.asarray(logits)), expected)
+  for chunk in (7, 64, inference.LOGITS_CHUNK):
+    fn = extraction._forward(target.mesh, target.graphdef, LAYERS, jnp.float32, chunk)
+    _, final, top1 = fn(target.params, tokens, mask)
+    assert top1.dtype == jnp.int32 and top1.shape == tokens.shape
+    np.testing.assert_array_equal(top1, expected)
+  v = target.config.vocab_size
+  text = extraction._forward(target.mesh, target.graphdef, LAYERS, jnp.float32, 32).lower(
+      target.params, tokens, mask).as_text()
+  assert f"32x{v}x" in text and f"4x64x{v}x" not in text and f"256x{v}x" not in text
 
 
 def test_offline_batches_carry_the_online_fields_plus_features(store32, dataset):

@@ -9,7 +9,9 @@ Per sequence only the real tokens are stored (ragged, with offsets: no padding o
 the chosen depths, h_L (the final-norm state, from which the training step recomputes the draft-vocabulary
 logits as h_L @ head[:, draft ids]), the target's full-vocabulary argmax, the input ids and the assistant
 mask (format: `store`). The forward is one jitted function with the batch sharded over the mesh's `'data'`
-axis, as in training.
+axis, as in training. The argmax is taken `inference.LOGITS_CHUNK` positions at a time
+(`inference.over_positions`): the [B, T, V] float32 logits are never held (4 GiB for an [8, 512] batch of
+Gemma 3's V = 262,144), and the top-1 is bit-identical to the full computation's.
 
 Before writing, the store's size is estimated and printed, and the extraction refuses to start when it would
 not fit on the disk. It resumes: finished shards are skipped (a shard is written under a temporary name and
@@ -18,7 +20,7 @@ every process extracts its own slice of every split (sequences p, p + P, p + 2P,
 own shards (the process index is in their names) and a manifest part; the reader merges the parts. On a TPU
 pod this needs a filesystem all hosts share (README, "Devices").
 
-Legend (`layerwave.axes`): T tokens, L target layers.
+Legend (`layerwave.axes`): B batch, T tokens, L target layers, V target vocabulary.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from layerwave import sharding
 from layerwave.data import batching
 from layerwave.data import tfds_builders
 from layerwave.data.options import DataOptions
-from layerwave.inference import Target, load_target, positions_from_mask, target_fingerprint
+from layerwave.inference import LOGITS_CHUNK, Target, load_target, over_positions, positions_from_mask
+from layerwave.inference import target_fingerprint
 from layerwave.models.kv_cache import causal_mask
 from layerwave.training import losses
 from layerwave.training.features import store as store_lib
@@ -108,18 +111,22 @@ def target_dtype_name(target: Target) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype) -> Any:
-  """The jitted extraction forward for one mesh / depth set: (hidden, final, argmax), batch over 'data'."""
+def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype, chunk: int = LOGITS_CHUNK) -> Any:
+  """The jitted extraction forward for one mesh / depth set: (hidden, final, argmax), batch over 'data'.
+
+  The argmax comes from the final states `chunk` positions at a time (never the [B, T, V] logits).
+  """
   rows, feats = NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "data"))
 
   def fn(params, tokens, mask):
     model = nnx.merge(graphdef, params)
     out = model(tokens, positions_from_mask(mask), causal_mask(mask), return_hidden_states=bool(hidden_layers),
-                hidden_layers=hidden_layers or None)
+                hidden_layers=hidden_layers or None, compute_logits=False)
     b, t = tokens.shape
     hidden = (out.hidden_states.astype(dtype) if hidden_layers else
               jnp.zeros((0, b, t, out.last_hidden.shape[-1]), dtype))
-    return hidden, out.last_hidden.astype(dtype), losses.argmax(out.logits).astype(jnp.int32)
+    top1 = over_positions(out.last_hidden, lambda h: losses.argmax(model.logits(h)).astype(jnp.int32), chunk)
+    return hidden, out.last_hidden.astype(dtype), top1
 
   return jax.jit(fn, out_shardings=(feats, rows, rows))
 
