@@ -51,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.max_records = 0  # 0 = every conversation
   c.data.heldout_fraction = 0.05
   c.data.split_seed = 0
+  c.data.chat_format = "template"  # "template" (the tokenizer's chat template) | "plain" (base models)
 
   # -- self-distilled data (experiments/distill.py): the target answers the training prompts ------
   # Writes W/dataset (array_record) + W/manifest.json; train on it with --config.data.source=distilled:W.

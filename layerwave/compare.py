@@ -262,7 +262,7 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out["train"] = TrainOptions.drop_late_defaults({k: v for k, v in train.items() if k not in _RUN_LENGTH})
   out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
                                                                    "draft_model"))
-  out["data"] = dataclasses.asdict(options_lib.from_section(DataOptions, config.data, "data"))
+  out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()
   decoding = dataclasses.asdict(evaluate_lib.DecodeSettings.from_config(config.speculate,
                                                                         max_new_tokens=cmp.max_new_tokens))
   for key in ("temperature", "prompt_width") + (() if cmp.speedup else ("timing_repeats",)):
@@ -298,6 +298,7 @@ def legacy_fingerprint(config) -> tuple[str, dict]:
   if not d.get("train", {}).get("features"):  # online cells: workdirs from before the field resume
     d.get("train", {}).pop("features", None)
   TrainOptions.drop_late_defaults(d.get("train", {}))
+  DataOptions.drop_late_defaults(d.get("data", {}))
   if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
     d.get("speculate", {}).pop("timing_repeats", None)
   return options_lib.fingerprint(d), d

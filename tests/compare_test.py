@@ -19,6 +19,7 @@ import pytest
 
 from layerwave import compare
 from layerwave import selection
+from layerwave.data.options import DataOptions
 from layerwave.speculative import evaluate
 from layerwave.training.options import TrainOptions
 
@@ -233,6 +234,8 @@ def test_a_workdir_with_the_legacy_fingerprint_resumes(tmp_path):
     old_style.pop(key)
   for key in ("features", *TrainOptions.LATE_DEFAULTS):
     old_style["train"].pop(key)
+  for key in DataOptions.LATE_DEFAULTS:
+    old_style["data"].pop(key)
   value, settings = _old_fingerprint(ml_collections.ConfigDict(old_style))
   assert compare.legacy_fingerprint(_config())[0] == value != compare.fingerprint(_config())[0]
   with open(tmp_path / "compare.json", "w") as f:

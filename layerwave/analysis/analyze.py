@@ -54,8 +54,8 @@ def run(config, workdir: str) -> dict:
   start = time.perf_counter()
   target = inference.load_target(config.model, dtype=config.dtype, mesh=mesh)
   tok = target.tokenizer
-  if tok is None or tok.chat_template is None:
-    raise ValueError(f"{config.model} has no tokenizer with a chat template; the analysis formats chat data")
+  if tok is None:
+    raise ValueError(f"{config.model} has no tokenizer; the analysis tokenises chat data")
   ds = data_options.build(tok)
   pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
   batches = data_lib.BatchIterator(ds.source(split), batch_size=batch_size, seq_len=data_options.max_length,
@@ -71,6 +71,7 @@ def run(config, workdir: str) -> dict:
           "source": data_options.source, "max_length": data_options.max_length,
           "fingerprint": {k: ds.metadata.get(k) for k in ("tokenizer_fingerprint", "records_fingerprint",
                                                           "num_records", "split_seed", "heldout_fraction")}}
+  data.update({k: v for k, v in data_options.record().items() if k in DataOptions.LATE_DEFAULTS})
   config_dict = config.to_dict()
   hash_value = report.data_hash(data, model, config_dict["analysis"])
   candidates = report.selection_lib.default_candidates(cfg.num_layers, selection_options.include_embeddings,

@@ -8,10 +8,13 @@ from layerwave.data.batching import BatchIterator
 from layerwave.data.batching import epoch_order
 from layerwave.data.batching import Position
 from layerwave.data.chat import assistant_spans
+from layerwave.data.chat import CHAT_FORMATS
 from layerwave.data.chat import encode_chat
+from layerwave.data.chat import encode_plain
 from layerwave.data.chat import encode_prompt
 from layerwave.data.chat import encode_record
 from layerwave.data.chat import Encoded
+from layerwave.data.chat import render_plain
 from layerwave.data.chat import tokenize_text
 from layerwave.data.sources import get_source
 from layerwave.data.sources import read_gsm8k

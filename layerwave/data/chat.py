@@ -16,6 +16,11 @@ Gemma, Mistral, ...); for templates that rewrite earlier turns (e.g. ones that d
 it falls back to finding each reply's content in order in the full rendering and extending it over
 the special tokens that follow.
 
+A base model has no chat template (Gemma-3-270M's GGUF carries none). `encode_plain` renders a conversation
+as plain text instead, one turn per paragraph: "User: ...\n\nAssistant: ...", after the tokenizer's own BOS.
+The assistant mask covers each reply's content (no role label; no end-of-turn token exists in this format).
+`CHAT_FORMATS` names the two renderings; `config.data.chat_format` picks one.
+
 `encode_prompt` formats the prompt for generation (`add_generation_prompt=True`); `tokenize_text`
 handles plain text (all-ones mask); `encode_record` dispatches on a `sources.Record`.
 
@@ -30,6 +35,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from layerwave.data import sources
+
+# How a conversation becomes text: "template" = the tokenizer's chat template (`encode_chat`), "plain" = role-
+# labelled paragraphs for base models without one (`encode_plain`).
+CHAT_FORMATS = ("template", "plain")
+PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +186,56 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict[str, str]], *,
   return _truncate(ids, mask, max_length)
 
 
+def render_plain(messages: Sequence[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+  """A conversation as plain text, "User: ...\n\nAssistant: ...", and the span of every assistant reply.
+
+  Args:
+    messages: `[{"role", "content"}, ...]` with roles system / user / assistant.
+
+  Returns:
+    `(text, spans)`: turns as "<Role>: <content>" (content stripped) joined by a blank line, and one
+    `(start, end)` character span per assistant message covering its content only.
+
+  Raises:
+    ValueError: a role outside system / user / assistant.
+  """
+  text, spans = "", []
+  for k, message in enumerate(messages):
+    role = message["role"]
+    if role not in PLAIN_ROLES:
+      raise ValueError(f"Cannot render role {role!r} as plain text; roles are {sorted(PLAIN_ROLES)}.")
+    text += ("\n\n" if k else "") + PLAIN_ROLES[role] + ": "
+    start = len(text)
+    text += message["content"].strip()
+    if role == "assistant":
+      spans.append((start, len(text)))
+  return text, spans
+
+
+def encode_plain(tokenizer: Any, messages: Sequence[dict[str, str]], *,
+                 max_length: int | None = None) -> Encoded:
+  """Tokenises a conversation rendered by `render_plain` (for base models) and builds the assistant mask.
+
+  The tokenizer adds its usual special tokens (Gemma: BOS; SmolLM2: none); a reply's first token carries the
+  space after "Assistant:" and counts as the reply's.
+
+  Args:
+    tokenizer: a fast transformers tokenizer (no chat template needed).
+    messages: `[{"role", "content"}, ...]`.
+    max_length: keep only the first `max_length` tokens (right truncation).
+
+  Returns:
+    `Encoded` with input_ids int32 [T] and assistant_mask uint8 [T] (1 on the replies' content tokens).
+  """
+  _check_fast(tokenizer)
+  text, spans = render_plain(messages)
+  enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+  ids = np.asarray(enc["input_ids"], np.int32)
+  # Special tokens the tokenizer adds (BOS) have empty (0, 0) offsets and so never count.
+  mask = _mask_from_spans(enc["offset_mapping"], spans)
+  return _truncate(ids, mask, max_length)
+
+
 def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], *,
                   max_length: int | None = None, **template_kwargs: Any) -> np.ndarray:
   """Tokenises a prompt for generation: the chat template with `add_generation_prompt=True`.
@@ -217,14 +277,26 @@ def tokenize_text(tokenizer: Any, text: str, *, max_length: int | None = None,
   return _truncate(ids, np.ones_like(ids, np.uint8), max_length)
 
 
+def check_chat_format(tokenizer: Any, chat_format: str) -> None:
+  """Refuses an unknown format, or "template" with a tokenizer that has no chat template (a base model)."""
+  if chat_format not in CHAT_FORMATS:
+    raise ValueError(f"Unknown chat format {chat_format!r}; set --config.data.chat_format to one of "
+                     f"{list(CHAT_FORMATS)}.")
+  if chat_format == "template" and not getattr(tokenizer, "chat_template", None):
+    raise ValueError(f"The tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template (a base "
+                     "model): render conversations as plain text with --config.data.chat_format=plain.")
+
+
 def encode_record(tokenizer: Any, record: sources.Record, *,
-                  max_length: int | None = None) -> Encoded:
-  """Tokenises a source record: `tokenize_text` for text chunks, `encode_chat` for conversations.
+                  max_length: int | None = None, chat_format: str = "template") -> Encoded:
+  """Tokenises a source record: `tokenize_text` for text chunks, `encode_chat` or `encode_plain` for
+  conversations.
 
   Args:
-    tokenizer: a fast transformers tokenizer with a chat template.
+    tokenizer: a fast transformers tokenizer (with a chat template for `chat_format="template"`).
     record: a `sources.Record`.
     max_length: right-truncate to this many tokens.
+    chat_format: one of `CHAT_FORMATS`.
 
   Returns:
     The `Encoded` example.
@@ -233,4 +305,7 @@ def encode_record(tokenizer: Any, record: sources.Record, *,
     return tokenize_text(tokenizer, record.text, max_length=max_length)
   if not record.messages:
     raise ValueError(f"Record {record.id!r} from {record.source!r} has neither text nor messages.")
+  check_chat_format(tokenizer, chat_format)
+  if chat_format == "plain":
+    return encode_plain(tokenizer, record.messages, max_length=max_length)
   return encode_chat(tokenizer, record.messages, max_length=max_length)

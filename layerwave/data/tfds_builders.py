@@ -1,6 +1,7 @@
 """Tokenised datasets on disk: the third stage of the data pipeline (records → array_record files).
 
 `build_chat_dataset(tokenizer, source, max_length=...)` tokenises a source with `chat.encode_record`
+(conversations through the chat template, or as plain text with `chat_format="plain"` for base models)
 and writes it once as a TensorFlow Datasets `array_record` dataset with two splits, "train" and
 "heldout"; later calls with the same inputs reuse it. Reading is random access through tfds's
 `ArrayRecordDataSource` (`ChatDataset.source(split)`), which `layerwave.data.batching` turns into
@@ -22,7 +23,8 @@ stay together.
 The cache lives under `default_data_dir()` = `$LAYERWAVE_CACHE/tfds` (default `~/.cache/layerwave/tfds`),
 in `chat_tokens/<config>/<version>/`, where the config name is keyed by everything that changes the
 tokens: the tokenizer's fingerprint (its tokenizer.json, chat template and special tokens), a hash of
-the records, max_length, the split settings and the builder version. A different tokenizer or source
+the records, max_length, the split settings, the chat format (keyed only when not "template", so the
+caches built before it existed stay valid) and the builder version. A different tokenizer or source
 therefore never reuses a stale dataset.
 
 Legend (`layerwave.axes`): T tokens.
@@ -107,8 +109,9 @@ class ChatTokens(tfds.core.GeneratorBasedBuilder):
 
   def __init__(self, *, records: Sequence[sources.Record], tokenizer: Any, max_length: int,
                heldout_fraction: float, split_seed: int, min_assistant_tokens: int,
-               metadata: Mapping[str, Any], **kwargs: Any):
+               metadata: Mapping[str, Any], chat_format: str = "template", **kwargs: Any):
     self._records = records
+    self._chat_format = chat_format
     self._tokenizer = tokenizer
     self._max_length = max_length
     self._heldout_fraction = heldout_fraction
@@ -149,7 +152,8 @@ class ChatTokens(tfds.core.GeneratorBasedBuilder):
         self._metadata[f"{split}_{key}"] = 0  # Saved in metadata.json when the build finishes.
     for n, record in enumerate(self._records):
       split = split_of(record.split_key, self._heldout_fraction, self._split_seed)
-      encoded = chat.encode_record(self._tokenizer, record, max_length=self._max_length)
+      encoded = chat.encode_record(self._tokenizer, record, max_length=self._max_length,
+                                   chat_format=self._chat_format)
       assistant = int(encoded.assistant_mask.sum())
       if assistant < self._min_assistant_tokens:
         self._metadata[f"{split}_dropped"] += 1
@@ -225,7 +229,7 @@ def build_chat_dataset(tokenizer: Any, source: str | Sequence[sources.Record], *
                        heldout_fraction: float = 0.05, split_seed: int = 0,
                        source_options: Mapping[str, Any] | None = None,
                        source_name: str | None = None, min_assistant_tokens: int = 1,
-                       data_dir: str | None = None) -> ChatDataset:
+                       data_dir: str | None = None, chat_format: str = "template") -> ChatDataset:
   """Tokenises a source and writes it as an array_record tfds dataset, or reuses the cached one.
 
   Args:
@@ -239,13 +243,16 @@ def build_chat_dataset(tokenizer: Any, source: str | Sequence[sources.Record], *
     min_assistant_tokens: drop examples with fewer assistant-mask tokens after truncation (e.g. a
       conversation whose first user turn fills max_length); 0 keeps everything.
     data_dir: tfds data directory; default `default_data_dir()`.
+    chat_format: how conversations become text, one of `chat.CHAT_FORMATS`: "template" (the tokenizer's
+      chat template) or "plain" ("User: ...\n\nAssistant: ...", for base models without a template).
 
   Returns:
     The `ChatDataset` (splits with no examples are absent from `num_examples`).
 
   Raises:
     sources.SourceError: the source is missing or empty.
-    ValueError: bad settings, or every example was dropped.
+    ValueError: bad settings, a chat template asked of a tokenizer without one, or every example was
+      dropped.
   """
   if max_length <= 0:
     raise ValueError(f"max_length must be positive, got {max_length}")
@@ -260,6 +267,8 @@ def build_chat_dataset(tokenizer: Any, source: str | Sequence[sources.Record], *
       raise sources.SourceError("build_chat_dataset got an empty list of records; pass a non-empty "
                                 "source.")
     source_name = source_name or records[0].source
+  if any(r.messages and not r.text for r in records):
+    chat.check_chat_format(tokenizer, chat_format)
   tok_fp = tokenizer_fingerprint(tokenizer)
   rec_fp = records_fingerprint(records)
   settings = {
@@ -269,6 +278,8 @@ def build_chat_dataset(tokenizer: Any, source: str | Sequence[sources.Record], *
       "min_assistant_tokens": int(min_assistant_tokens), "format_version": FORMAT_VERSION,
       "tokenizer_name": str(getattr(tokenizer, "name_or_path", "")),
   }
+  if chat_format != "template":  # keyed only when set, so the caches written before the option stay valid
+    settings["chat_format"] = chat_format
   key = _sha(json.dumps({k: v for k, v in settings.items() if k != "tokenizer_name"},
                         sort_keys=True))
   safe_source = "".join(c if c.isalnum() else "_" for c in source_name.lower())
@@ -278,6 +289,7 @@ def build_chat_dataset(tokenizer: Any, source: str | Sequence[sources.Record], *
   builder = ChatTokens(records=records, tokenizer=tokenizer, max_length=max_length,
                        heldout_fraction=heldout_fraction, split_seed=split_seed,
                        min_assistant_tokens=min_assistant_tokens, metadata=settings, config=config,
+                       chat_format=chat_format,
                        data_dir=data_dir or default_data_dir(), file_format="array_record")
   directory = str(builder.data_dir)
   if not builder.is_prepared():

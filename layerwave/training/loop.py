@@ -104,7 +104,7 @@ def fingerprint_settings(config, ids: Sequence[int]) -> dict[str, Any]:
           "layers": [int(i) for i in ids], "train": train,
           "draft_model": dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
                                                                      "draft_model")),
-          "data": dataclasses.asdict(options_lib.from_section(DataOptions, config.data, "data"))}
+          "data": options_lib.from_section(DataOptions, config.data, "data").record()}
 
 
 def config_fingerprint(config, ids: Sequence[int]) -> str:
@@ -120,6 +120,7 @@ def legacy_config_fingerprint(config) -> str:
   for key in TrainOptions.RESUMABLE:
     d.get("train", {}).pop(key, None)
   TrainOptions.drop_late_defaults(d.get("train", {}))
+  DataOptions.drop_late_defaults(d.get("data", {}))
   # Sections newer than those workdirs: the other stages' (distill, features); training reads their output by
   # path. train.features: where the features come from is checked apart (the store's fingerprint, in the
   # checkpoint meta), so a moved store still resumes and online workdirs from before the field resume.
@@ -155,7 +156,7 @@ def load_store(path: str, data: DataOptions, target: Target, record: selection_l
     features.StoreError: the store cannot stand in for the target here (see `features.check_for_training`).
   """
   store = features_lib.open_store(path)
-  data_dict = dataclasses.asdict(data)
+  data_dict = data.record()
   if own_data:
     data_dict = {**store.header.get("data", {}), "max_length": data.max_length}
   features_lib.check_for_training(

@@ -76,3 +76,47 @@ def test_tokenize_text_and_records(tokenizer):
   assert chat.encode_record(tokenizer, text).assistant_mask.all()
   with pytest.raises(ValueError, match="neither text nor messages"):
     chat.encode_record(tokenizer, sources.Record(id="x", source="y"))
+
+
+# -- plain text for base models (no chat template) -------------------------------------------------
+
+
+def test_plain_rendering_labels_turns_and_spans_the_replies():
+  text, spans = chat.render_plain(CONVERSATION)
+  assert text == ("System: You answer briefly.\n\nUser: What is 2 + 2?\n\nAssistant: 4.  Anything else?\n\n"
+                  "User: Say hi in French.\n\nAssistant: Bonjour !\n\n```python\nprint('salut')\n```")
+  assert [text[a:b] for a, b in spans] == [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+  with pytest.raises(ValueError, match="role 'tool'"):
+    chat.render_plain([{"role": "tool", "content": "x"}])
+
+
+def test_plain_mask_covers_exactly_the_reply_content(tokenizer):
+  encoded = chat.encode_plain(tokenizer, CONVERSATION)
+  text, _ = chat.render_plain(CONVERSATION)
+  np.testing.assert_array_equal(encoded.input_ids, tokenizer(text)["input_ids"])
+  # The replies' tokens (each reply's first one may carry the space after "Assistant:"), nothing else.
+  assert _assistant_text(tokenizer, encoded).lstrip() == "4.  Anything else? Bonjour !\n\n```python\nprint('salut')\n```"
+  mask = encoded.assistant_mask.astype(int)
+  assert np.sum(np.diff(np.append(0, mask)) == 1) == 2
+  cut = chat.encode_plain(tokenizer, CONVERSATION, max_length=20)
+  assert cut.truncated and cut.length == 20
+  np.testing.assert_array_equal(cut.assistant_mask, encoded.assistant_mask[:20])
+
+
+def test_plain_records_of_real_sharegpt_and_the_template_refusal(tokenizer):
+  for record in sources.get_source("sharegpt", limit=20):
+    encoded = chat.encode_record(tokenizer, record, chat_format="plain")
+    replies = [m["content"].strip() for m in record.messages if m["role"] == "assistant"]
+    got = _assistant_text(tokenizer, encoded)
+    assert got.replace(" ", "") == "".join(replies).replace(" ", ""), record.id
+  record = sources.Record(id="c", source="s", messages=tuple(CONVERSATION))
+  with pytest.raises(ValueError, match="one of"):
+    chat.encode_record(tokenizer, record, chat_format="chatml")
+  template = tokenizer.chat_template
+  try:
+    tokenizer.chat_template = None  # a base model's tokenizer
+    with pytest.raises(ValueError, match=r"no chat template .* --config\.data\.chat_format=plain"):
+      chat.encode_record(tokenizer, record)
+    assert chat.encode_record(tokenizer, record, chat_format="plain").assistant_mask.any()
+  finally:
+    tokenizer.chat_template = template

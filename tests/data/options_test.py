@@ -21,9 +21,26 @@ def test_the_data_section_builds_typed_options():
     ("max_records", -1, r"data\.max_records must be >= 0"),
     ("heldout_fraction", 1.0, r"data\.heldout_fraction must be in \[0, 1\), got 1\.0"),
     ("max_length", 2.5, r"data\.max_length must be an integer, got 2\.5"),
+    ("chat_format", "chatml", r"data\.chat_format must be one of \['template', 'plain'\], got 'chatml'"),
 ])
 def test_bad_data_values_are_refused_naming_the_field(field, value, message):
   config = configs.load("smoke").data.to_dict()
   config[field] = value
   with pytest.raises(ValueError, match=message):
     options_lib.from_section(DataOptions, config, "data")
+
+
+def test_the_record_leaves_out_late_defaults_so_old_fingerprints_hold():
+  """Workdirs recorded the data section before `chat_format` existed: with its default it is left out."""
+  data = options_lib.from_section(DataOptions, configs.load("smoke").data, "data")
+  assert data.chat_format == "template" and "chat_format" not in data.record()
+  assert data.record() == {k: v for k, v in dataclasses.asdict(data).items() if k != "chat_format"}
+  plain = dataclasses.replace(data, chat_format="plain")
+  assert plain.record()["chat_format"] == "plain"
+
+
+def test_the_gemma_config_reads_as_plain_text_data():
+  for variant in ("", "smoke"):
+    config = configs.load(variant, name="gemma3_270m")
+    data = options_lib.from_section(DataOptions, config.data, "data")
+    assert data.chat_format == "plain" and config.model == "gemma3-270m"

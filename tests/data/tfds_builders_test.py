@@ -103,3 +103,26 @@ def test_text_source_and_errors(tokenizer, tmp_path):
   with pytest.raises(ValueError, match="heldout_fraction"):
     tfds_builders.build_chat_dataset(tokenizer, "text", max_length=8, heldout_fraction=1.0,
                                      data_dir=str(tmp_path))
+
+
+def test_plain_format_has_its_own_cache_and_template_keys_stay(tokenizer, records, built, tmp_path):
+  dataset, data_dir = built
+  # The template format (the default) keeps the key it had before the option existed.
+  assert "chat_format" not in dataset.metadata
+  assert tfds_builders.build_chat_dataset(tokenizer, records, max_length=1024, heldout_fraction=0.2,
+                                          data_dir=data_dir, chat_format="template").name == dataset.name
+  plain = tfds_builders.build_chat_dataset(tokenizer, records[:10], max_length=64, data_dir=data_dir,
+                                           chat_format="plain")
+  template = tfds_builders.build_chat_dataset(tokenizer, records[:10], max_length=64, data_dir=data_dir)
+  assert plain.name != template.name and plain.metadata["chat_format"] == "plain"
+  example = plain.source("train")[0]
+  encoded = chat.encode_record(tokenizer, records[int(example["index"])], max_length=64, chat_format="plain")
+  np.testing.assert_array_equal(example["input_ids"], encoded.input_ids)
+  np.testing.assert_array_equal(example["assistant_mask"], encoded.assistant_mask)
+  template_string = tokenizer.chat_template
+  try:
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat_format=plain"):
+      tfds_builders.build_chat_dataset(tokenizer, records[:10], max_length=64, data_dir=str(tmp_path))
+  finally:
+    tokenizer.chat_template = template_string

@@ -66,7 +66,7 @@ def dataset(target):
 
 
 def _extract(target, dataset, out, dtype="float32", **kw):
-  kw = {"depths": LAYERS, "batch_size": 4, "shard_sequences": 8, "data": dataclasses.asdict(DATA), **kw}
+  kw = {"depths": LAYERS, "batch_size": 4, "shard_sequences": 8, "data": DATA.record(), **kw}
   return features.extract(target, dataset, str(out), dtype=dtype, **kw)
 
 
@@ -262,6 +262,9 @@ def test_resuming_into_a_store_with_other_settings_is_refused(store32, target, d
     (lambda c: setattr(c.data, "max_records", 70), r"other data \(data\.max_records=60\).*--config\.data\."
      r"max_records=60"),
     (lambda c: setattr(c, "dtype", "bfloat16"), r"computed in float32; this run loads it in bfloat16"),
+    # A field the store's header predates counts as its default: a plain-text run is refused all the same.
+    (lambda c: setattr(c.data, "chat_format", "plain"), r"other data \(data\.chat_format='template'\).*"
+     r"--config\.data\.chat_format=template"),
 ])
 def test_training_refuses_a_store_that_contradicts_the_run(store32, tiny_chat_target_dir, tmp_path, edit, match):
   c = tiny_config(tiny_chat_target_dir, features=store32)

@@ -12,6 +12,7 @@ import pytest
 
 import layerwave
 from layerwave import checkpoint as ckpt_lib
+from layerwave.data.options import DataOptions
 from layerwave.training import curves
 from layerwave.training import loop
 from layerwave.training.options import TrainOptions
@@ -65,7 +66,8 @@ def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):
 
 def _old_style(config) -> ml_collections.ConfigDict:
   """`config` as configs wrote it before the list fields were tuples (comma strings), without the sections
-  and train fields added since (distill, features, train.features and TrainOptions.LATE_DEFAULTS)."""
+  and fields added since (distill, features, train.features, TrainOptions.LATE_DEFAULTS and
+  DataOptions.LATE_DEFAULTS)."""
   d = config.to_dict()
   d["layers"] = ",".join(map(str, config.layers))
   d["analysis"]["strategies"] = ",".join(config.analysis.strategies)
@@ -74,6 +76,8 @@ def _old_style(config) -> ml_collections.ConfigDict:
     d.pop(key)
   for key in ("features", *TrainOptions.LATE_DEFAULTS):
     d["train"].pop(key)
+  for key in DataOptions.LATE_DEFAULTS:
+    d["data"].pop(key)
   return ml_collections.ConfigDict(d)
 
 

@@ -442,4 +442,4 @@ def run(config) -> dict[str, Any]:
   dataset = data.build(target.tokenizer)
   return extract(target, dataset, opts.dir, depths=depths, dtype=opts.dtype, splits=opts.split_names,
                  batch_size=opts.batch_size, shard_sequences=opts.shard_sequences,
-                 data=dataclasses.asdict(data), model=config.model)
+                 data=data.record(), model=config.model)

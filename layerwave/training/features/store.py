@@ -42,6 +42,7 @@ import numpy as np
 
 from layerwave import atomic
 from layerwave import options as options_lib
+from layerwave.data.options import DataOptions
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -351,7 +352,7 @@ def check_for_training(store: FeatureStore, *, target_config, target_dtype: str,
     target_fingerprint: `layerwave.inference.target_fingerprint` of the run's target.
     tokenizer_fingerprint: `layerwave.data.tokenizer_fingerprint` of its tokenizer.
     layer_ids: the draft's layers.
-    data: the run's data options as a dict (`dataclasses.asdict(DataOptions)`).
+    data: the run's data options as a dict (`DataOptions.record()`).
 
   Raises:
     StoreError: naming the mismatch and the fix.
@@ -379,11 +380,14 @@ def check_for_training(store: FeatureStore, *, target_config, target_dtype: str,
                      f"({store.seq_len}): its sequences were cut at {store.seq_len} tokens when extracted. Set "
                      f"--config.data.max_length={store.seq_len} (or less), or extract a store with longer "
                      "sequences.")
-  differ = [k for k, v in sorted(h.get("data", {}).items()) if k != "max_length" and data.get(k) != v]
+  # A field newer than the store (`DataOptions.LATE_DEFAULTS`) counts as its default on both sides.
+  stored_data = {**DataOptions.LATE_DEFAULTS, **h.get("data", {})}
+  data = {**DataOptions.LATE_DEFAULTS, **data}
+  differ = [k for k, v in sorted(stored_data.items()) if k != "max_length" and data.get(k) != v]
   if differ:
-    theirs = ", ".join(f"data.{k}={h['data'][k]!r}" for k in differ)
+    theirs = ", ".join(f"data.{k}={stored_data[k]!r}" for k in differ)
     ours = ", ".join(f"data.{k}={data.get(k)!r}" for k in differ)
     raise StoreError(f"Feature store {store.path} was extracted from other data ({theirs}) than this run's "
                      f"config names ({ours}). Set "
-                     + " ".join(f"--config.data.{k}={h['data'][k]}" for k in differ)
+                     + " ".join(f"--config.data.{k}={stored_data[k]}" for k in differ)
                      + f" so the run records the data it trains on, or extract a store for this data.")
