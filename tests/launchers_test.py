@@ -31,3 +31,10 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
     results = json.load(f)["results"]
   assert [r["name"] for r in results] == ["chain2", "tree"]
   assert all(r["equal_to_ar"] == 1.0 for r in results) and "| gsm8k | 0 | tree |" in out.stdout
+  # --nopaired: τ and acceptance only, no plain decoding and no speedup columns.
+  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "tau"), "--datasets=gsm8k",
+             "--num_prompts=2", "--methods=chain2", "--temperatures=0", "--nopaired")
+  with open(tmp_path / "tau" / "bench_speculative.json") as f:
+    (row,) = json.load(f)["results"]
+  assert row["tau"] >= 1.0 and "speedup" not in row and "equal_to_ar" not in row
+  assert "| gsm8k | 0 | chain2 |" in out.stdout and "| – | – | – |" in out.stdout

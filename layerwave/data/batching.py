@@ -178,6 +178,10 @@ class BatchIterator:
     used = sorted(set(bucket.tolist()))
     self._widths = tuple(ws[b] for b in used)
     self._bucket = np.searchsorted(np.asarray(used), bucket)  # index into self._widths
+    self._bucket_steps = 0  # batches per epoch: fixed by the bucket sizes (read on every step)
+    for b, w in enumerate(self._widths):
+      full, rest = divmod(int((self._bucket == b).sum()), self._rows[w])
+      self._bucket_steps += full + (1 if rest and not self._drop_remainder else 0)
 
   def lengths(self) -> np.ndarray:
     """Every example's length cut to seq_len: the source's `lengths()` if it has one, else one pass."""
@@ -218,11 +222,7 @@ class BatchIterator:
     if not self._widths:
       full, rest = divmod(self._n, self._batch_size)
       return full + (1 if rest and not self._drop_remainder else 0)
-    total = 0
-    for b, w in enumerate(self._widths):
-      full, rest = divmod(int((self._bucket == b).sum()), self._rows[w])
-      total += full + (1 if rest and not self._drop_remainder else 0)
-    return total
+    return self._bucket_steps
 
   @property
   def position(self) -> Position:
