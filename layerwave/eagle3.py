@@ -49,7 +49,7 @@ from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import Target, parse_dtype
 from layerwave.models.config import ModelConfig
-from layerwave.models.draft import Draft, DraftConfig
+from layerwave.models.draft import Draft, DraftConfig, llama_style
 
 __all__ = ["ARCHITECTURE", "ENGINES", "engine_layer_ids", "engine_note", "is_eagle3_dir", "load_eagle3",
            "read_config", "read_tensors", "tensor_name"]
@@ -231,7 +231,7 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
   if not 1 <= v_d <= t.vocab_size:
     raise ValueError(f"draft_vocab_size {v_d} must be in [1, {t.vocab_size}].")
   model = dataclasses.replace(
-      t, vocab_size=v_d, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=1,
+      llama_style(t), vocab_size=v_d, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=1,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
       max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=False,

@@ -483,3 +483,35 @@ def test_pytorch_model_bin_without_torch(tmp_path):
   assert "ImportError:" in run.stdout, run.stdout + run.stderr
   assert "pytorch_model.bin is a pickled PyTorch checkpoint and torch is not installed" in run.stdout
   assert "torch.load(weights_only=True" in run.stdout and "model.safetensors" in run.stdout
+
+
+def test_round_trip_over_a_gemma_target(target, tmp_path):
+  """A draft over a Gemma 3 target (Llama-style block on the target's embedding rows) exports and loads back
+  exactly as a Llama-style block (before the fix the import inherited the target's Gemma fields), and a
+  Llama target of another depth refuses it."""
+  directory = str(tmp_path / "gemma3")
+  hf_reference.save_hf_model("gemma3", directory, seed=3)
+  gemma = layerwave.load_target(directory)
+  n, d, v = gemma.config.num_layers, gemma.config.hidden_size, gemma.config.vocab_size
+  ids = (1, 2, 3)
+  cfg = DraftConfig.from_target(gemma.config, ids, draft_vocab_size=V_D)
+  draft = Draft(cfg, embedding=gemma.params["embed_tokens"]["embedding"][...], rngs=nnx.Rngs(0))
+  vocab = np.sort(np.random.default_rng(0).choice(v, V_D, replace=False))
+  draft.d2t[...] = jnp.asarray(vocab - np.arange(V_D), jnp.int32)
+  draft.t2d[...] = jnp.zeros(v, bool).at[vocab].set(True)
+  out = export.export_eagle3(draft, gemma, str(tmp_path / "eagle3"), allow_first_id_1=True)
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  assert config["target_hidden_size"] == d and config["vocab_size"] == v
+  assert config["eagle_aux_hidden_state_layer_ids"] == list(ids)
+  back = layerwave.load_draft(out, gemma)
+  assert back.config == draft.config
+  a, b = _state(draft), _state(back)
+  for path in a:
+    np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+  tokens = np.random.default_rng(1).integers(0, v, (2, 9))  # longer than the window (4)
+  np.testing.assert_array_equal(_logits(draft, gemma, tokens), _logits(back, gemma, tokens))
+  assert back.config.model.model_type == "llama" and back.config.model.sliding_window is None
+  assert (n, d, v) != (L, D, V)
+  with pytest.raises(ValueError, match="exported for a target with L=4; the given target has L=8"):
+    layerwave.load_draft(out, target)  # the module's Llama target (L = 8)

@@ -79,15 +79,11 @@ class DraftConfig:
       raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, {target.vocab_size}] "
                        "(the target's vocabulary size).")
     d = hidden_size or target.hidden_size
-    # The draft block is Llama-style whatever the target's family (as published EAGLE-3 drafts for Gemma
-    # and Qwen): a Gemma target's norms, sliding window and soft-capping are not copied.
     model = dataclasses.replace(
-        target, vocab_size=int(draft_vocab_size), hidden_size=d, num_layers=int(num_layers),
+        llama_style(target), vocab_size=int(draft_vocab_size), hidden_size=d, num_layers=int(num_layers),
         intermediate_size=intermediate_size or target.intermediate_size,
         head_dim=target.head_dim if d == target.hidden_size else d // target.num_heads,
-        tie_word_embeddings=False, attention_bias=False, qk_norm=False,
-        **({"model_type": "llama", "sliding_window": None, "layer_types": None, "rope_local_theta": None,
-            "query_pre_attn_scalar": None, "final_logit_softcapping": None} if target.gemma else {}))
+        tie_word_embeddings=False, attention_bias=False, qk_norm=False)
     return cls(layer_ids=ids, target_num_layers=target.num_layers,
                target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
                model=model, fc_norm=fc_norm)
@@ -117,6 +113,19 @@ class DraftConfig:
     if got != want:
       raise ValueError(f"This draft was trained for a target with (L, D, V) = {want}, but the given "
                        f"target has {got}. Load the draft with the target it was trained on.")
+
+
+def llama_style(target: ModelConfig) -> ModelConfig:
+  """`target`'s config with its family-specific block fields reset, as the draft block's base.
+
+  The draft block is Llama-style whatever the target's family (as published EAGLE-3 drafts for Gemma and
+  Qwen): a Gemma target's (1 + w) norms, sandwich norms, sliding window and soft-capping are not copied.
+  `DraftConfig.from_target` and the EAGLE-3 import (`layerwave.eagle3`) both build on it.
+  """
+  if not target.gemma:
+    return target
+  return dataclasses.replace(target, model_type="llama", sliding_window=None, layer_types=None,
+                             rope_local_theta=None, query_pre_attn_scalar=None, final_logit_softcapping=None)
 
 
 def validate_layer_ids(ids, num_layers: int) -> None:
