@@ -38,12 +38,15 @@ _SHAREGPT_LIKE = flags.DEFINE_string("sharegpt_like", "base", "The cell the 'sha
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only tabulate finished cells.")
 flags.mark_flags_as_required(["config", "workdir"])
 
-# What the sweep varies, one thing per cell, against the base config (`:recipe`).
+# What the sweep varies, one thing per cell, against the base config (`:recipe` and the command line's
+# overrides: a cell that restates the base's own setting, e.g. `k3` over a K = 3 base, repeats `base`).
 CELLS = {
     "base": {},
     "k3": {"train.ttt_steps": 3},
+    "k5": {"train.ttt_steps": 5},
     "k7": {"train.ttt_steps": 7},
     "vd4k": {"draft_model.vocab_size": 4096},
+    "vd8k": {"draft_model.vocab_size": 8192},
     "vd16k": {"draft_model.vocab_size": 16384},
     "head_frozen": {"train.freeze_head": True},
     "lr3e-4": {"train.lr": 3e-4},
