@@ -33,7 +33,8 @@ $(STAMP): setup.py Makefile
 demo: setup
 	$(PY) experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
 
-# The EAGLE-3 baseline draft on [2, 15, 27] from the target's own answers (issue 12, ~90 min on 2 CPU cores):
+# The EAGLE-3 baseline draft on [2, 15, 27] from the target's own answers (issue 12; 58 min on 2 quiet CPU cores,
+# measured end to end: distill 28, extract 6, train 24; held-out sim tau 1.59, BENCHMARKS.md "make baseline, timed"):
 # the target answers BASELINE_PROMPTS ShareGPT prompts (greedy), its features are extracted once, and the
 # draft trains offline from them: K = 3 and V_d 4,096 (each beat K = 5 / V_d 8,192 per CPU-second in the recipe
 # sweep) on length-bucketed batches (1.5x the real tokens/s of padded ones), BENCHMARKS.md "Drafts that pay off".
