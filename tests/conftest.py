@@ -18,6 +18,18 @@ from layerwave.models import hub  # pylint: disable=g-import-not-at-top
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+  """Drops JAX's compiled programs after each test module.
+
+  One pytest process compiles thousands of XLA CPU programs; each holds memory mappings for its code, and past
+  the kernel's `vm.max_map_count` (65,530 here) the next compilation segfaults inside XLA (seen in the full run,
+  never in a module alone). Modules share no compiled program worth keeping.
+  """
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_target_dir(tmp_path_factory):
   hf_reference = pytest.importorskip("tests.models.hf_reference")  # needs torch
