@@ -231,8 +231,8 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
   if not 1 <= v_d <= t.vocab_size:
     raise ValueError(f"draft_vocab_size {v_d} must be in [1, {t.vocab_size}].")
   model = dataclasses.replace(
-      llama_style(t), vocab_size=v_d, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=1,
-      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      llama_style(t), vocab_size=v_d, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+      num_layers=1, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
       max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=False,
       attention_bias=False, qk_norm=False)
