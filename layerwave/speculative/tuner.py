@@ -16,7 +16,11 @@ best setting depends on the machine, the batch size and the draft, and is measur
    (drafting, gather and reranking included).
 3. the model: one iteration of chain K costs verify(K + 1) + (K - 1) draft steps + commit(K + 1) + the loop's
    own overhead (the probe run's measured time per iteration minus its predicted components); predicted
-   speedup = τ / (iteration seconds / plain seconds per token). The setting with the highest predicted speedup
+   speedup = τ / (iteration seconds / plain seconds per token). The candidates are ranked by it.
+4. confirmation: the model's parts are timed minutes apart on a machine whose speed drifts, and on a CPU its
+   predictions ran 10-25 % optimistic (BENCHMARKS.md). So the `confirm` best-predicted candidates are then
+   decoded end to end on the calibration prompts, each batch paired with plain decoding in ABBA order
+   (`timing.paired_speedup`, the benchmark's own measurement), and the one with the highest measured speedup
    wins; when none beats plain decoding the report says so (`Tuning.beats_plain`).
 
 `tune` returns the choice with the whole table, so a launcher can print the prediction next to what the
@@ -41,6 +45,7 @@ from layerwave.generate import generate as plain_generate
 from layerwave.inference import Target, cached_forward, new_cache
 from layerwave.models.kv_cache import causal_mask
 from layerwave.speculative import decode
+from layerwave.speculative import timing
 from layerwave.speculative import tree as tree_lib
 
 __all__ = ["AUTO", "AUTO_TREES", "CALIBRATION_PROMPTS", "Candidate", "Costs", "Tuning", "chain_tau",
@@ -111,12 +116,21 @@ class Costs:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One setting's prediction: τ, seconds per iteration and the speedup over plain decoding."""
+  """One setting's prediction: τ, seconds per iteration and the speedup over plain decoding.
+
+  `measured` is the paired speedup of the end-to-end confirmation run (`timing.PairedTiming`), None when the
+  candidate was not among the confirmed ones.
+  """
 
   spec: decode.SpecOptions
   tau: float
   iteration_s: float
   speedup: float
+  measured: timing.PairedTiming | None = None
+
+  @property
+  def measured_speedup(self) -> float | None:
+    return None if self.measured is None else self.measured.speedup
 
   @property
   def name(self) -> str:
@@ -130,8 +144,9 @@ class Tuning:
   """What `tune` measured and chose.
 
   Attributes:
-    choice: the candidate with the highest predicted speedup.
-    candidates: every candidate, best first.
+    choice: the confirmed candidate with the highest measured speedup (without confirmation: the highest
+      predicted one).
+    candidates: every candidate: the confirmed ones by measured speedup, then the rest by prediction.
     costs: the measured costs.
     acceptance: per-depth acceptance of the probe chain.
     overhead_s: the loop's measured per-iteration overhead beyond the modelled parts.
@@ -147,17 +162,23 @@ class Tuning:
 
   @property
   def beats_plain(self) -> bool:
-    return self.choice.speedup > 1.0
+    c = self.choice
+    return (c.speedup if c.measured is None else c.measured.speedup) > 1.0
 
   def table(self) -> str:
     """A markdown table of every candidate's prediction, the choice first."""
     lines = [f"auto (B={self.costs.batch_size}, context {self.costs.context}, plain "
              f"{1e3 * self.costs.plain_token_s:.1f} ms/token, loop overhead {1e3 * self.overhead_s:.1f} ms/iter"
              f", acceptance {' '.join(f'{a:.2f}' for a in self.acceptance)}; tuned in {self.seconds:.0f} s):",
-             "| setting | predicted τ | ms / iteration | predicted speedup |", "|---|---|---|---|"]
+             "| setting | predicted τ | ms / iteration | predicted speedup | measured speedup (paired) [p25, p75] |",
+             "|---|---|---|---|---|"]
     for c in self.candidates:
       mark = " (chosen)" if c is self.choice else ""
-      lines.append(f"| {c.name}{mark} | {c.tau:.2f} | {1e3 * c.iteration_s:.1f} | {c.speedup:.2f}x |")
+      measured = "not confirmed"
+      if c.measured is not None:
+        p25, p75 = c.measured.quantiles()
+        measured = f"{c.measured.speedup:.2f}x [{p25:.2f}, {p75:.2f}]"
+      lines.append(f"| {c.name}{mark} | {c.tau:.2f} | {1e3 * c.iteration_s:.1f} | {c.speedup:.2f}x | {measured} |")
     if not self.beats_plain:
       lines.append("No setting is predicted to beat plain decoding on this machine at this batch size.")
     return "\n".join(lines)
@@ -166,7 +187,8 @@ class Tuning:
     return {"choice": self.choice.name, "choice_spec": dataclasses.asdict(self.choice.spec),
             "beats_plain": self.beats_plain, "acceptance": list(self.acceptance),
             "overhead_s": self.overhead_s, "seconds": self.seconds, "costs": dataclasses.asdict(self.costs),
-            "candidates": [{"name": c.name, "tau": c.tau, "iteration_s": c.iteration_s, "speedup": c.speedup}
+            "candidates": [{"name": c.name, "tau": c.tau, "iteration_s": c.iteration_s, "speedup": c.speedup,
+                            "measured": None if c.measured is None else c.measured.summary()}
                            for c in self.candidates]}
 
 
@@ -261,8 +283,8 @@ def measure_costs(target: Target, draft: Any, prompts: Sequence[Sequence[int]], 
 def tune(target: Target, draft: Any, prompts: Sequence[Sequence[int]], *, batch_size: int,
          max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
          chain_lengths: Sequence[int] = (1, 2, 3, 4, 5, 6, 7),
-         tree_budgets: Sequence[tree_lib.TreeBudget] = (), repeats: int = 5) -> Tuning:
-  """Measures costs and acceptance once and picks the setting with the highest predicted tokens/s.
+         tree_budgets: Sequence[tree_lib.TreeBudget] = (), repeats: int = 5, confirm: int = 2) -> Tuning:
+  """Measures costs and acceptance once, ranks the settings by predicted tokens/s and confirms the best.
 
   Args:
     target, draft: the loaded target and draft.
@@ -274,6 +296,9 @@ def tune(target: Target, draft: Any, prompts: Sequence[Sequence[int]], *, batch_
     chain_lengths: candidate chain lengths K.
     tree_budgets: candidate EAGLE-2 trees (each costs one probe over the calibration prompts).
     repeats: timed calls per measured part (the median is used).
+    confirm: how many of the best-predicted candidates to decode end to end, paired with plain decoding on
+      the calibration prompts (one ABBA pair per batch), choosing by the measured speedup; 0 chooses by
+      prediction alone.
   """
   if not prompts:
     raise ValueError("tune needs at least one calibration prompt.")
@@ -281,6 +306,8 @@ def tune(target: Target, draft: Any, prompts: Sequence[Sequence[int]], *, batch_
     raise ValueError("tune needs at least one candidate: give chain_lengths or tree_budgets.")
   if any(int(k) < 1 for k in chain_lengths):
     raise ValueError(f"chain lengths must be >= 1, got {tuple(chain_lengths)}.")
+  if isinstance(confirm, bool) or int(confirm) != confirm or confirm < 0:
+    raise ValueError(f"confirm must be an integer >= 0 (candidates to confirm end to end), got {confirm!r}.")
   start = time.perf_counter()
   rows = [list(p) for p in prompts]
   width = max(len(p) for p in rows)  # one compilation for every calibration batch
@@ -321,5 +348,19 @@ def tune(target: Target, draft: Any, prompts: Sequence[Sequence[int]], *, batch_
     m, it = probe(spec)  # a tree's iteration is timed as it runs (its gather and reranking included)
     candidates.append(Candidate(spec, float(m["tau"]), it, float(m["tau"]) * costs.plain_token_s / it))
   candidates.sort(key=lambda c: -c.speedup)
+  if confirm:
+    plain_fn = lambda ids: plain_generate(  # noqa: E731
+        target, ids, max_new_tokens, **sampling, return_stats=True)
+    padded = [p for batch in batches for p in batch]  # whole batches: one compiled shape per side
+    plain_fn(batches[0])  # compile outside the clock
+    confirmed = []
+    for c in candidates[:int(confirm)]:
+      spec_fn = functools.partial(decode.generate, target, draft, max_new_tokens=max_new_tokens, **sampling,
+                                  **dataclasses.asdict(c.spec))
+      spec_fn(batches[0])  # compile outside the clock (every batch shares the padded shape)
+      measured = timing.paired_speedup(plain_fn, spec_fn, padded, batch_size, repeats=1, warmup=False)
+      confirmed.append(dataclasses.replace(c, measured=measured))
+    confirmed.sort(key=lambda c: -c.measured.speedup)
+    candidates = confirmed + candidates[int(confirm):]
   return Tuning(choice=candidates[0], candidates=tuple(candidates), costs=costs, acceptance=acceptance,
                 overhead_s=overhead, seconds=time.perf_counter() - start)

@@ -44,17 +44,34 @@ def test_chain_tau_inverts_the_loops_acceptance_metrics():
 def tuned(llama):
   target, _, trained = llama
   result = tuner.tune(target, trained, PROMPTS, batch_size=2, max_new_tokens=12, chain_lengths=(1, 2, 3),
-                      tree_budgets=(tree_lib.TreeBudget(2, 2, 3),), repeats=2)
+                      tree_budgets=(tree_lib.TreeBudget(2, 2, 3),), repeats=2, confirm=2)
   return target, trained, result
 
 
-def test_tune_predicts_every_candidate_and_picks_the_fastest(tuned):
+def test_tune_predicts_every_candidate_and_picks_the_fastest_confirmed(tuned):
   target, trained, result = tuned
   names = [c.name for c in result.candidates]
   assert sorted(names) == sorted(["chain K=1", "chain K=2", "chain K=3", "tree d=2 k=2 n=3"])
-  speedups = [c.speedup for c in result.candidates]
-  assert speedups == sorted(speedups, reverse=True) and result.choice is result.candidates[0]
-  assert result.beats_plain == (result.choice.speedup > 1)
+  confirmed, rest = result.candidates[:2], result.candidates[2:]
+  # The two best predictions were decoded end to end; the measured best is chosen, the rest stay ranked by
+  # prediction.
+  assert all(c.measured is not None for c in confirmed) and all(c.measured is None for c in rest)
+  assert min(c.speedup for c in confirmed) >= max(c.speedup for c in rest)
+  measured = [c.measured_speedup for c in confirmed]
+  assert measured == sorted(measured, reverse=True) and result.choice is result.candidates[0]
+  assert [c.speedup for c in rest] == sorted((c.speedup for c in rest), reverse=True)
+  assert result.beats_plain == (result.choice.measured_speedup > 1)
+  padded = PROMPTS + PROMPTS[:len(PROMPTS) % 2]
+  plain = layerwave.generate(target, padded, 12, prompt_width=max(len(p) for p in PROMPTS))
+  for c in confirmed:
+    # One ABBA pair per calibration batch, lossless against plain decoding, and the run's acceptance equals
+    # an independent speculative run of the same setting over the same prompts.
+    assert c.measured.num_pairs == len(padded) // 2 and c.measured.repeats == 1
+    assert c.measured.plain_outputs == plain and c.measured.spec_outputs == plain
+    hists = [decode.generate(target, trained, padded[i:i + 2], 12, prompt_width=max(len(p) for p in PROMPTS),
+                             **dataclasses.asdict(c.spec))[1]["accept_length_hist"]
+             for i in range(0, len(padded), 2)]
+    np.testing.assert_array_equal(c.measured.accept_length_hist, np.sum(hists, axis=0))
   c = result.costs
   assert c.batch_size == 2 and [n for n, _ in c.verify_s] == [1, 2, 3, 4] and c.plain_token_s > 0
   for cand in result.candidates:
@@ -69,8 +86,19 @@ def test_tune_predicts_every_candidate_and_picks_the_fastest(tuned):
   chain3 = next(x for x in result.candidates if x.name == "chain K=3")
   assert chain3.tau == pytest.approx(both["tau"])
   table = result.table()
-  assert "(chosen)" in table and "predicted speedup" in table
-  assert result.to_dict()["choice"] == result.choice.name
+  assert "(chosen)" in table and "predicted speedup" in table and "not confirmed" in table
+  d = result.to_dict()
+  assert d["choice"] == result.choice.name
+  assert d["candidates"][0]["measured"]["speedup"] == result.choice.measured_speedup
+
+
+def test_tune_without_confirmation_chooses_by_prediction(llama):
+  target, _, trained = llama
+  result = tuner.tune(target, trained, PROMPTS[:2], batch_size=2, max_new_tokens=8, chain_lengths=(1, 2),
+                      repeats=1, confirm=0)
+  assert all(c.measured is None for c in result.candidates)
+  assert result.choice is max(result.candidates, key=lambda c: c.speedup)
+  assert result.beats_plain == (result.choice.speedup > 1)
 
 
 def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
@@ -105,3 +133,6 @@ def test_auto_from_the_config_and_bad_input():
     tuner.tune(None, None, PROMPTS, batch_size=1, chain_lengths=())
   with pytest.raises(ValueError, match="chain lengths must be >= 1"):
     tuner.tune(None, None, PROMPTS, batch_size=1, chain_lengths=(0, 2))
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match="confirm must be an integer >= 0"):
+      tuner.tune(None, None, PROMPTS, batch_size=1, confirm=bad)
