@@ -3,8 +3,9 @@
   python experiments/analyze.py --config=configs/gemma3_270m.py --workdir=W   # README's Gemma wave
   python experiments/analyze.py --config=configs/gemma3_270m.py:smoke --workdir=W
 
-The wave beside SmolLM2's: the data and budget of `configs/smollm2_135m.py:demo`'s analysis (the first
-4,000 ShareGPT conversations, 256 tokens each, the same split seed and batch seed, ~16k assistant tokens).
+The wave beside SmolLM2's: the data and analysis sections are read from `configs/smollm2_135m.py:demo`
+(`:smoke` for `:smoke`), so the two waves share one budget (the first 4,000 ShareGPT conversations, 256 tokens
+each, the same split seed and batch seed, ~16k assistant tokens) and cannot drift apart.
 Gemma-3-270M is a base model and its GGUF has no chat template, so conversations are rendered as plain text
 (`data.chat_format = "plain"`, layerwave.data.chat): "User: ...\n\nAssistant: ..." paragraphs after Gemma's
 BOS, the assistant mask on the replies' content tokens. L = 18 (HF hidden-state convention), so EAGLE-3's
@@ -14,66 +15,29 @@ Only the sections the analysis reads are here; what drafts on Gemma would take i
 wave).
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
 
+def _smollm2_config(variant: str) -> ml_collections.ConfigDict:
+  """`configs/smollm2_135m.py:<variant>` (this file's sibling; launchers load configs by path, not package)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_135m.py")
+  spec = importlib.util.spec_from_file_location("configs.smollm2_135m", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  if arg not in (None, "", "smoke"):
+    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke' or nothing.")
+  # The data and analysis sections of SmolLM2's `:demo` (or `:smoke`), so the two waves share one budget.
+  base = _smollm2_config(arg or "demo")
   c = ml_collections.ConfigDict()
   c.model = "gemma3-270m"
-  c.dtype = "float32"
-  c.mesh = (("data", -1),)
-  c.distributed = False
-  c.seed = 0
-
-  c.data = ml_collections.ConfigDict()
-  c.data.source = "sharegpt"
-  c.data.max_length = 256
-  c.data.max_records = 4000
-  c.data.heldout_fraction = 0.05
-  c.data.split_seed = 0
+  for key in ("dtype", "mesh", "distributed", "seed", "data", "analysis"):
+    c[key] = base[key]
   c.data.chat_format = "plain"  # a base model: no chat template
-
-  # shared/METHOD.md §2-§6, the settings of configs/smollm2_135m.py's analysis on a ~16k-token budget.
-  c.analysis = ml_collections.ConfigDict()
-  c.analysis.split = "train"
-  c.analysis.batch_size = 8
-  c.analysis.num_batches = 0
-  c.analysis.max_tokens = 16_000  # eligible (assistant) tokens read
-  c.analysis.seed = 0
-  c.analysis.log_every = 5
-  c.analysis.temperature = 1.0
-  c.analysis.filter = "percentile"
-  c.analysis.percentile = 50.0
-  c.analysis.threshold = 0.0
-  c.analysis.calibration_batches = 2
-  c.analysis.assistant_only = True
-  c.analysis.unfiltered = "matched"
-  c.analysis.alpha = 1.0
-  c.analysis.normalize = "skean"
-  c.analysis.granularity = "prompt"
-  c.analysis.normalized_entropy = False
-  c.analysis.cka = "minibatch"
-  c.analysis.hsic_batch_size = 256
-  c.analysis.exact_cka_tokens = 2048
-  c.analysis.include_embeddings = False
-  c.analysis.include_final = False
-  c.analysis.k = 3
-  c.analysis.lam = 1.0
-  c.analysis.min_gap = 0
-  c.analysis.strategies = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "random")
-  c.analysis.num_blocks = 0
-  c.analysis.stability = True
-
-  if arg == "smoke":
-    c.data.max_length = 128
-    c.data.max_records = 200
-    c.analysis.batch_size = 4
-    c.analysis.num_batches = 4
-    c.analysis.max_tokens = 0
-    c.analysis.calibration_batches = 1
-    c.analysis.hsic_batch_size = 64
-    c.analysis.exact_cka_tokens = 256
-    c.analysis.log_every = 2
-  elif arg:
-    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke' or nothing.")
   return c
