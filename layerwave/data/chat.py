@@ -23,8 +23,8 @@ The assistant mask covers each reply's content (no role label; no end-of-turn to
 
 `encode_prompt` formats the prompt for generation: the template's generation prompt, or in the plain format the
 rendering followed by an open "Assistant:" paragraph. A base model does not end its answer with EOS but goes on
-with the next "\n\nUser:" paragraph; `plain_turn_end` finds where. `tokenize_text` handles plain text (all-ones
-mask); `encode_record` dispatches on a `sources.Record`.
+with the next "\n\nUser:" paragraph; `plain_turn_end` finds where, `cut_turn_end` cuts the generated tokens
+there. `tokenize_text` handles plain text (all-ones mask); `encode_record` dispatches on a `sources.Record`.
 
 Legend (`layerwave.axes`): T tokens.
 """
@@ -250,6 +250,34 @@ def plain_turn_end(text: str) -> int | None:
   """
   found = [i for i in (text.find(f"\n\n{label}:") for label in PLAIN_ROLES.values()) if i >= 0]
   return min(found) if found else None
+
+
+def cut_turn_end(tokens: Sequence[int], tokenizer: Any) -> tuple[list[int], bool]:
+  """Cuts tokens a model generated after a plain-format prompt where it starts a new turn (`plain_turn_end`).
+
+  Args:
+    tokens: generated token ids (without EOS).
+    tokenizer: the target's tokenizer.
+
+  Returns:
+    (kept, cut): if a new turn starts, the fewest leading tokens whose decoding spells the text before it
+    (trailing whitespace dropped, so the blank line goes too) and True; otherwise `tokens` and False.
+  """
+  tokens = list(tokens)
+  text = tokenizer.decode(tokens, skip_special_tokens=True)
+  end = plain_turn_end(text)
+  if end is None:
+    return tokens, False
+  keep = text[:end].rstrip()
+  # The shortest prefix whose decoding starts with `keep` (all of `tokens` does; decoded prefixes only grow).
+  lo, hi = 0, len(tokens)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if tokenizer.decode(tokens[:mid], skip_special_tokens=True).startswith(keep):
+      hi = mid
+    else:
+      lo = mid + 1
+  return tokens[:lo], True
 
 
 def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], *,
