@@ -515,11 +515,15 @@ def test_the_stage_renders_prompts_in_the_data_sections_format(monkeypatch, tmp_
 
   monkeypatch.setattr(distill, "load_target", lambda *args, **kwargs: None)
   monkeypatch.setattr(distill, "distill", stop)
+  for variant in ("", "smoke"):  # the base model's config: plain data, SmolLM2's distill section
+    gemma = configs.load(variant, name="gemma3_270m")
+    with pytest.raises(InterruptedError):
+      distill.run(gemma, str(tmp_path))
+    assert seen[-1].chat_format == "plain" and gemma.distill == configs.load(variant or "demo").distill
   config = configs.load("smoke")
-  config.data.chat_format = "plain"
   with pytest.raises(InterruptedError):
     distill.run(config, str(tmp_path))
-  assert seen[0].chat_format == "plain"
+  assert seen[-1].chat_format == "template"
   config.data.chat_format = "chatml"
   with pytest.raises(ValueError, match=r"one of \['template', 'plain'\].*--config\.data\.chat_format="):
     distill.run(config, str(tmp_path))
