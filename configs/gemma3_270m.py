@@ -1,7 +1,8 @@
-"""Gemma-3-270M (base, Q4_K_M GGUF dequantized to float32; Gemma Terms of Use): the analysis stage.
+"""Gemma-3-270M (base, Q4_K_M GGUF dequantized to float32; Gemma Terms of Use): analysis and self-distillation.
 
   python experiments/analyze.py --config=configs/gemma3_270m.py --workdir=W   # README's Gemma wave
   python experiments/analyze.py --config=configs/gemma3_270m.py:smoke --workdir=W
+  python experiments/distill.py --config=configs/gemma3_270m.py --workdir=D --config.distill.num_prompts=512
 
 The wave beside SmolLM2's: the data and analysis sections are read from `configs/smollm2_135m.py:demo`
 (`:smoke` for `:smoke`), so the two waves share one budget (the first 4,000 ShareGPT conversations, 256 tokens
@@ -9,10 +10,12 @@ each, the same split seed and batch seed, ~16k assistant tokens) and cannot drif
 Gemma-3-270M is a base model and its GGUF has no chat template, so conversations are rendered as plain text
 (`data.chat_format = "plain"`, layerwave.data.chat): "User: ...\n\nAssistant: ..." paragraphs after Gemma's
 BOS, the assistant mask on the replies' content tokens. L = 18 (HF hidden-state convention), so EAGLE-3's
-rule gives [2, 9, 15].
+rule gives [2, 9, 15]. experiments/distill.py renders its prompts the same way (plain, ending with an open
+"Assistant:") and cuts each answer where the base model starts the next "\n\nUser:" turn; its `distill`
+section is SmolLM2's.
 
-Only the sections the analysis reads are here; what drafts on Gemma would take is in the README (the Gemma
-wave).
+Only the sections analysis and distillation read are here; what drafts on Gemma would take is in the README
+(the Gemma wave).
 """
 
 import importlib.util
@@ -33,11 +36,11 @@ def _smollm2_config(variant: str) -> ml_collections.ConfigDict:
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "smoke"):
     raise ValueError(f"Unknown config variant {arg!r}; use ':smoke' or nothing.")
-  # The data and analysis sections of SmolLM2's `:demo` (or `:smoke`), so the two waves share one budget.
+  # The data, distill and analysis sections of SmolLM2's `:demo` (or `:smoke`), so the two waves share one budget.
   base = _smollm2_config(arg or "demo")
   c = ml_collections.ConfigDict()
   c.model = "gemma3-270m"
-  for key in ("dtype", "mesh", "distributed", "seed", "data", "analysis"):
+  for key in ("dtype", "mesh", "distributed", "seed", "data", "distill", "analysis"):
     c[key] = base[key]
   c.data.chat_format = "plain"  # a base model: no chat template
   return c

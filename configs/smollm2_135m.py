@@ -55,6 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # -- self-distilled data (experiments/distill.py): the target answers the training prompts ------
   # Writes W/dataset (array_record) + W/manifest.json; train on it with --config.data.source=distilled:W.
+  # Prompts are rendered in `data.chat_format` (the format training reads them back in): with "plain" (a base
+  # model) each answer is cut where the model starts the next "\n\nUser:" turn.
   c.distill = ml_collections.ConfigDict()
   c.distill.source = "sharegpt"  # prompt source (its user turns)
   c.distill.num_prompts = 0  # conversations answered; 0 = all that pass the filters

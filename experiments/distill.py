@@ -2,6 +2,7 @@
 
   python experiments/distill.py --config=configs/smollm2_135m.py --workdir=D
   python experiments/distill.py --config=configs/smollm2_135m.py:smoke --workdir=D   # 8 prompts, < 1 min
+  python experiments/distill.py --config=configs/gemma3_270m.py --workdir=D   # a base model: plain-text prompts
   python experiments/train_draft.py --config=configs/smollm2_135m.py --workdir=W --config.layers=2,15,27 \
       --config.data.source=distilled:D
 

@@ -21,8 +21,10 @@ as plain text instead, one turn per paragraph: "User: ...\n\nAssistant: ...", af
 The assistant mask covers each reply's content (no role label; no end-of-turn token exists in this format).
 `CHAT_FORMATS` names the two renderings; `config.data.chat_format` picks one.
 
-`encode_prompt` formats the prompt for generation (`add_generation_prompt=True`); `tokenize_text`
-handles plain text (all-ones mask); `encode_record` dispatches on a `sources.Record`.
+`encode_prompt` formats the prompt for generation: the template's generation prompt, or in the plain format the
+rendering followed by an open "Assistant:" paragraph. A base model does not end its answer with EOS but goes on
+with the next "\n\nUser:" paragraph; `plain_turn_end` finds where, `cut_turn_end` cuts the generated tokens
+there. `tokenize_text` handles plain text (all-ones mask); `encode_record` dispatches on a `sources.Record`.
 
 Legend (`layerwave.axes`): T tokens.
 """
@@ -236,22 +238,78 @@ def encode_plain(tokenizer: Any, messages: Sequence[dict[str, str]], *,
   return _truncate(ids, mask, max_length)
 
 
-def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], *,
-                  max_length: int | None = None, **template_kwargs: Any) -> np.ndarray:
-  """Tokenises a prompt for generation: the chat template with `add_generation_prompt=True`.
+def plain_turn_end(text: str) -> int | None:
+  """Where a new turn starts in text a model wrote after a plain-format prompt, or None.
+
+  A new turn is a blank line followed by a role label of `PLAIN_ROLES` and a colon ("\n\nUser:",
+  "\n\nAssistant:", "\n\nSystem:"): how `render_plain` separates turns. A label without a blank line before
+  it (say at the very start of the text) does not count.
+
+  Returns:
+    The character index of that blank line (the text before it is the answer), or None.
+  """
+  found = [i for i in (text.find(f"\n\n{label}:") for label in PLAIN_ROLES.values()) if i >= 0]
+  return min(found) if found else None
+
+
+def cut_turn_end(tokens: Sequence[int], tokenizer: Any) -> tuple[list[int], bool]:
+  """Cuts tokens a model generated after a plain-format prompt where it starts a new turn (`plain_turn_end`).
 
   Args:
-    tokenizer: a transformers tokenizer with a chat template.
+    tokens: generated token ids (without EOS).
+    tokenizer: the target's tokenizer.
+
+  Returns:
+    (kept, cut): if a new turn starts, the fewest leading tokens whose decoding spells the text before it
+    (trailing whitespace dropped, so the blank line goes too) and True; otherwise `tokens` and False.
+  """
+  tokens = list(tokens)
+  text = tokenizer.decode(tokens, skip_special_tokens=True)
+  end = plain_turn_end(text)
+  if end is None:
+    return tokens, False
+  keep = text[:end].rstrip()
+  # The shortest prefix whose decoding starts with `keep` (all of `tokens` does; decoded prefixes only grow).
+  lo, hi = 0, len(tokens)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if tokenizer.decode(tokens[:mid], skip_special_tokens=True).startswith(keep):
+      hi = mid
+    else:
+      lo = mid + 1
+  return tokens[:lo], True
+
+
+def encode_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], *,
+                  max_length: int | None = None, chat_format: str = "template",
+                  **template_kwargs: Any) -> np.ndarray:
+  """Tokenises a prompt for generation.
+
+  "template": the chat template with `add_generation_prompt=True`. "plain": `render_plain(messages)` then an
+  open "Assistant:" paragraph, after the tokenizer's usual special tokens (Gemma: BOS), as `encode_plain`
+  tokenises conversations. The prompt ends at the colon, without the space: in `encode_plain`'s rendering the
+  space belongs to the reply's first token ("▁Paris"), so the prompt's tokens are a prefix of the tokens of
+  the conversation with its answer (a prompt ending in a lone space token would not be).
+
+  Args:
+    tokenizer: a transformers tokenizer (with a chat template for "template").
     messages: the conversation so far, normally ending with a user message.
     max_length: keep only the last `max_length` tokens (left truncation keeps the generation prompt;
       it can cut the system prompt, so choose a length that fits the prompts).
-    **template_kwargs: extra variables for the template.
+    chat_format: one of `CHAT_FORMATS`.
+    **template_kwargs: extra variables for the template ("template" only).
 
   Returns:
     int32 [T] token ids, ending with the assistant header the model continues from.
   """
-  ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
-                                      return_dict=False, **template_kwargs)
+  check_chat_format(tokenizer, chat_format)
+  if chat_format == "plain":
+    text, _ = render_plain(messages)
+    text += ("\n\n" if text else "") + PLAIN_ROLES["assistant"] + ":"
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+  else:
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
+                                        return_dict=False, **template_kwargs)
   ids = np.asarray(ids, np.int32).reshape(-1)
   if max_length is not None:
     if max_length <= 0:

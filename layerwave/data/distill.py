@@ -9,10 +9,19 @@ Analysis and training read it unchanged through `data.source=distilled:DIR` (`so
 
 Prompts. Conversations are taken in source order. A conversation is dropped (and counted) when any of its user
 turns overlaps an evaluation prompt (`decontaminate`: MT-bench first and second turns, HumanEval, GSM8K),
-when it has no user turn, or when its first prompt (system message if any plus the first user turn, through
-the chat template with the generation prompt) is longer than `max_prompt_tokens`. The first `num_prompts`
-survivors are answered. With `turns > 1` the k-th user turn is sent after the target's own earlier answers
-(the regenerated history); a turn whose prompt outgrows `max_prompt_tokens` ends that conversation.
+when it has no user turn, or when its first prompt (system message if any plus the first user turn, rendered
+for generation by `chat.encode_prompt`) is longer than `max_prompt_tokens`. The first `num_prompts` survivors
+are answered. With `turns > 1` the k-th user turn is sent after the target's own earlier answers (the
+regenerated history); a turn whose prompt outgrows `max_prompt_tokens` ends that conversation.
+
+Formats. `chat_format` ("template" or "plain"; `run` takes it from `config.data.chat_format`, the field
+analysis and training read the data back with) renders prompts and history: the tokenizer's chat template, or
+for base models without one (Gemma-3-270M) `chat.render_plain`'s "User: ...\n\nAssistant: ..." paragraphs
+after BOS, ending with an open "Assistant:". A base model writes on past its answer into the next "\n\nUser:"
+paragraph instead of stopping at EOS, so a plain answer is cut where a new turn starts (`chat.cut_turn_end`)
+and counted (`turn_ends_cut`). Generation still runs to EOS or `max_new_tokens` (`layerwave.generate` has no
+multi-token stop), except that with `segment_tokens` > 0 such a row leaves after its round. The format enters
+the settings fingerprint and the manifest; `DataOptions.build` refuses to read the data in the other format.
 
 Batching. Each chunk of `chunk_size` conversations is answered turn by turn (`answer_prompts`): a turn's
 prompts are sorted by length and cut into batches of `batch_size`, padded to a few fixed widths (powers of
@@ -47,7 +56,7 @@ import json
 import os
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from absl import logging
@@ -97,6 +106,9 @@ class DistillOptions:
       and ends the conversation there).
     exclude: comma-separated evaluation sets whose prompts must not enter the data ("" = none).
     exclude_min_chars: containment counts for strings of at least this many characters (equality always).
+    chat_format: how prompts and the regenerated history become text, one of `chat.CHAT_FORMATS`: "template"
+      (the tokenizer's chat template) or "plain" (base models; answers cut at the next turn). `run` sets it
+      from `config.data.chat_format`, so the data is read back in the format its prompts were written in.
   """
 
   source: str = "sharegpt"
@@ -117,9 +129,13 @@ class DistillOptions:
   keep_unfinished: bool = True
   exclude: str = ",".join(decontaminate.EVAL_SETS)
   exclude_min_chars: int = 40
+  chat_format: str = "template"
 
   # Settings a rerun of the same workdir may change (they change how much is done or how fast, not what).
   RESUMABLE = ("num_prompts", "batch_size", "segment_tokens")
+  # Fields added after workdirs recorded their settings: left out of `settings()` while they hold these
+  # defaults, so those workdirs keep their fingerprint and resume.
+  LATE_DEFAULTS: ClassVar[dict] = {"chat_format": "template"}
 
   def __post_init__(self):
     checks = [
@@ -139,6 +155,10 @@ class DistillOptions:
       if not ok:
         value = getattr(self, fix.split("=")[0])
         raise ValueError(f"distill.{message}, got {value}; set e.g. --config.distill.{fix}.")
+    if self.chat_format not in chat.CHAT_FORMATS:
+      raise ValueError(f"distill: the chat format must be one of {list(chat.CHAT_FORMATS)}, got "
+                       f"{self.chat_format!r}; set --config.data.chat_format=template (plain for a base model "
+                       "without a chat template).")
     _ = self.sampling  # SamplingParams checks temperature, top-k and top-p
     unknown = [name for name in self.exclude_sets if name not in sources.SOURCES]
     if unknown:
@@ -157,8 +177,9 @@ class DistillOptions:
     return tuple(s.strip() for s in self.exclude.split(",") if s.strip())
 
   def settings(self) -> dict[str, Any]:
-    """Every field that fixes what the data is (the resumable ones left out)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.RESUMABLE}
+    """Every field that fixes what the data is (the resumable ones and late defaults left out)."""
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if k not in self.RESUMABLE and not (k in self.LATE_DEFAULTS and v == self.LATE_DEFAULTS[k])}
 
 
 # -- prompt selection --------------------------------------------------------------------------------
@@ -187,7 +208,7 @@ def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: D
   Args:
     records: the prompt source.
     tokenizer: the target's tokenizer (prompt lengths).
-    options: `num_prompts`, `max_prompt_tokens`.
+    options: `num_prompts`, `max_prompt_tokens`, `chat_format`.
     index: evaluation prompts to exclude (None = no exclusion).
 
   Returns:
@@ -216,7 +237,8 @@ def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: D
     if not turns:
       no_user += 1
       continue
-    ids = chat.encode_prompt(tokenizer, _system(record) + [{"role": "user", "content": turns[0]}])
+    ids = chat.encode_prompt(tokenizer, _system(record) + [{"role": "user", "content": turns[0]}],
+                             chat_format=options.chat_format)
     if len(ids) > options.max_prompt_tokens:
       too_long += 1
       continue
@@ -239,27 +261,40 @@ def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: D
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-  """One answer: its text, kept tokens (after a loop cut, without EOS), and what ended it."""
+  """One answer: its text, kept tokens (after the cuts, without EOS), and what ended it.
+
+  Attributes:
+    text: the answer, decoded without special tokens and stripped.
+    tokens: the tokens kept (those that spell `text`).
+    generated: the tokens generated (EOS and everything cut included).
+    eos: the kept answer ends at EOS (not when a new turn started before it).
+    loop_cut: a repetition loop was cut.
+    turn_end_cut: (plain format) the model started a new turn, and the answer was cut there.
+  """
 
   text: str
   tokens: int
   generated: int
   eos: bool
   loop_cut: bool
+  turn_end_cut: bool = False
 
 
 def make_answer(tokens: Sequence[int], target: Target, options: DistillOptions) -> Answer:
   """One generated row (as `layerwave.generate` returns it, cut after EOS) → its `Answer`.
 
-  The EOS token is dropped, a repetition loop cut (`cut_loop`), the rest decoded without special tokens
-  and trimmed.
+  The EOS token is dropped; in the plain format the answer ends where a new turn starts (`chat.cut_turn_end`);
+  then a repetition loop is cut (`cut_loop`), the rest decoded without special tokens and trimmed.
   """
   tokens = list(tokens)
   eos = bool(tokens) and tokens[-1] in target.eos_token_ids
-  body, cut = repetition.cut_loop(tokens[:-1] if eos else tokens, options.loop_max_period, options.loop_min_repeats,
-                       options.loop_min_tokens)
+  body, turn_end = tokens[:-1] if eos else tokens, False
+  if options.chat_format == "plain":
+    body, turn_end = chat.cut_turn_end(body, target.tokenizer)
+  body, cut = repetition.cut_loop(body, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens)
   text = target.tokenizer.decode(body, skip_special_tokens=True).strip()
-  return Answer(text=text, tokens=len(body), generated=len(tokens), eos=eos, loop_cut=cut)
+  return Answer(text=text, tokens=len(body), generated=len(tokens), eos=eos and not turn_end, loop_cut=cut,
+                turn_end_cut=turn_end)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -277,9 +312,10 @@ def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: Di
   With `segment_tokens` = 0, one `generate` call per batch decodes the whole budget. Otherwise every round
   decodes up to `segment_tokens` more tokens for each unfinished prompt (its prompt plus what it has so far,
   re-read in one prefill) in batches of prompts of similar length. A prompt is finished at EOS, at
-  `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`: the loop would be
-  cut anyway). Finished rows leave, so the next round's batches hold live rows only. Greedy answers are those
-  of one `generate` call per prompt either way.
+  `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`) or, in the plain
+  format, the start of a new turn (`chat.plain_turn_end`): either would be cut anyway. Finished rows leave,
+  so the next round's batches hold live rows only. Greedy answers are those of one `generate` call per
+  prompt either way.
 
   Args:
     target: the target (its tokenizer decodes the answers).
@@ -333,13 +369,17 @@ def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: Di
 def _finished(tokens: list[int], target: Target, options: DistillOptions) -> bool:
   if len(tokens) >= options.max_new_tokens or (tokens and tokens[-1] in target.eos_token_ids):
     return True
+  if options.chat_format == "plain" and chat.plain_turn_end(
+      target.tokenizer.decode(tokens, skip_special_tokens=True)) is not None:
+    return True
   return bool(options.loop_max_period) and repetition.find_loop(
       tokens, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens) is not None
 
 
 def _new_stats() -> dict[str, Any]:
   keys = ("conversations", "assistant_turns", "tokens_written", "generated_tokens", "row_steps", "loops_cut",
-          "eos_terminated", "unfinished", "unfinished_dropped", "empty_dropped", "turns_too_long", "seconds")
+          "turn_ends_cut", "eos_terminated", "unfinished", "unfinished_dropped", "empty_dropped", "turns_too_long",
+          "seconds")
   return {k: 0 for k in keys}
 
 
@@ -358,7 +398,8 @@ def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOpti
         prompt = p.ids
       else:
         prompt = chat.encode_prompt(target.tokenizer,
-                                    c["messages"] + [{"role": "user", "content": c["turns"][turn]}])
+                                    c["messages"] + [{"role": "user", "content": c["turns"][turn]}],
+                                    chat_format=options.chat_format)
         if len(prompt) > options.max_prompt_tokens:
           stats["turns_too_long"] += 1
           c["alive"] = False
@@ -373,8 +414,9 @@ def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOpti
     for c, a in zip(active, answers):
       stats["generated_tokens"] += a.generated
       stats["loops_cut"] += a.loop_cut
+      stats["turn_ends_cut"] += a.turn_end_cut
       stats["eos_terminated"] += a.eos
-      unfinished = not (a.eos or a.loop_cut)
+      unfinished = not (a.eos or a.loop_cut or a.turn_end_cut)
       stats["unfinished"] += unfinished
       if not a.text:
         stats["empty_dropped"] += 1
@@ -437,7 +479,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
   """Answers the training prompts with the target and writes the distilled dataset (resumable).
 
   Args:
-    target: the target; its tokenizer formats the prompts and decodes the answers.
+    target: the target; its tokenizer formats the prompts (`options.chat_format`) and decodes the answers.
     options: the `distill` section.
     workdir: output directory: settings.json, chunks/, dataset/, manifest.json.
     model: the target's spec as configured (recorded in the manifest; default its path).
@@ -452,9 +494,9 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
     sources.SourceError: a missing source or evaluation set, or a source without user turns.
   """
   tokenizer = target.tokenizer
-  if tokenizer is None or tokenizer.chat_template is None:
-    raise ValueError(f"{model or target.path} has no tokenizer with a chat template; distillation formats "
-                     "chat prompts. Use a chat (instruct) model.")
+  if tokenizer is None:
+    raise ValueError(f"{model or target.path} has no tokenizer; distillation formats prompts and decodes answers.")
+  chat.check_chat_format(tokenizer, options.chat_format)  # "template" needs one: base models take "plain"
   longest = options.max_prompt_tokens + options.max_new_tokens
   if longest > target.config.max_position_embeddings:
     raise ValueError(f"distill.max_prompt_tokens + max_new_tokens = {longest} exceeds the target's "
@@ -557,13 +599,14 @@ def _finish(workdir, chunks, counts, options, identity, fingerprint, model, targ
                    "seed": options.seed, "max_new_tokens": options.max_new_tokens, "turns": options.turns,
                    "loop_max_period": options.loop_max_period, "loop_min_repeats": options.loop_min_repeats,
                    "loop_min_tokens": options.loop_min_tokens, "keep_unfinished": options.keep_unfinished},
-      "prompts": {"source": options.source, "num_prompts": options.num_prompts,
+      "prompts": {"source": options.source, "chat_format": options.chat_format, "num_prompts": options.num_prompts,
                   "max_prompt_tokens": options.max_prompt_tokens, "exclude": list(options.exclude_sets),
                   "exclude_min_chars": options.exclude_min_chars, **counts},
       "output": {**{k: v for k, v in totals.items() if k != "seconds"},
                  "mean_answer_tokens": totals["tokens_written"] / turns,
                  "decode_efficiency": totals["generated_tokens"] / max(totals["row_steps"], 1),
-                 "loops_cut_fraction": totals["loops_cut"] / turns},
+                 "loops_cut_fraction": totals["loops_cut"] / turns,
+                 "turn_ends_cut_fraction": totals["turn_ends_cut"] / turns},
       "time": {"generation_s": totals["seconds"], "wall_s_this_run": time.perf_counter() - wall,
                "generated_tokens_per_s": totals["generated_tokens"] / max(totals["seconds"], 1e-9)},
       "dataset": {"path": relative, "num_examples": len(records), "chunks": len(chunks), "content": content},
@@ -577,7 +620,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   """The stage: loads the target of `config` and distils `config.distill` into `workdir`.
 
   Args:
-    config: the experiment config: `model`, `dtype`, `mesh`, `distributed` and the `distill` section.
+    config: the experiment config: `model`, `dtype`, `mesh`, `distributed`, the `distill` section and
+      `data.chat_format` (how prompts are rendered: the format analysis and training read the data in).
     workdir: the output directory (rerun it to resume).
 
   Returns:
@@ -585,14 +629,16 @@ def run(config, workdir: str) -> dict[str, Any]:
   """
   if not workdir:
     raise ValueError("distill needs --workdir: the folder for the chunks, the dataset and manifest.json.")
-  options = options_lib.from_section(DistillOptions, config.distill, "distill")
+  options = options_lib.from_section(DistillOptions, config.distill, "distill",
+                                     chat_format=config.data.chat_format)
   sharding.maybe_initialize_distributed(config.distributed)
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   manifest = distill(target, options, workdir, model=config.model)
   out = manifest["output"]
   logging.info("Distilled %d conversations (%d answers, %d tokens written, mean %.1f tokens per answer; %d loops "
-               "cut, %d ended with EOS) at %.1f generated tokens/s into %s.", manifest["dataset"]["num_examples"],
-               out["assistant_turns"], out["tokens_written"], out["mean_answer_tokens"], out["loops_cut"],
-               out["eos_terminated"], manifest["time"]["generated_tokens_per_s"], workdir)
+               "cut, %d cut at a new turn, %d ended with EOS) at %.1f generated tokens/s into %s.",
+               manifest["dataset"]["num_examples"], out["assistant_turns"], out["tokens_written"],
+               out["mean_answer_tokens"], out["loops_cut"], out.get("turn_ends_cut", 0), out["eos_terminated"],
+               manifest["time"]["generated_tokens_per_s"], workdir)
   return manifest

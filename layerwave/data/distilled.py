@@ -3,7 +3,7 @@
 Place in the pipeline: `layerwave.data.distill` writes the dataset (`build_dataset`) and records in its
 manifest who wrote it (`target_fingerprint`, `tfds_builders.tokenizer_fingerprint`); `sources.read_distilled`
 reads it back as `Record`s; `DataOptions.build` calls `check_source` so that analysis and training refuse data
-another target or tokenizer wrote.
+another target or tokenizer wrote, or data read in another chat format than its prompts were written in.
 
 The dataset has the record schema of the ShareGPT source: `id`, `group`, `index` (position in the prompt
 source) and `messages` (a sequence of `role` / `content` texts), in one split, "train" (`build_chat_dataset`
@@ -85,24 +85,35 @@ def target_fingerprint(target: Target) -> str:
   return digest.hexdigest()[:16]
 
 
-def check_source(source: str, tokenizer: Any) -> None:
-  """Refuses a distilled dataset written by another target or tokenizer than the one reading it.
+def check_source(source: str, tokenizer: Any, chat_format: str | None = None) -> None:
+  """Refuses a distilled dataset written by another target or tokenizer than the one reading it, or read in
+  another chat format than its prompts were written in.
 
   Args:
     source: a data source string (`config.data.source`); anything but a distilled dataset passes.
     tokenizer: the reading target's tokenizer.
+    chat_format: the format the reader renders conversations in (`config.data.chat_format`; None = not
+      checked). The answers continue prompts in the manifest's `prompts.chat_format` ("template" in
+      manifests written before the option), so reading them in the other one would train on contexts the
+      target never answered in.
 
   Analysis and training call this (through `DataOptions.build`) with the target's tokenizer; the target's
   identity is the checkpoint directory the tokenizer was loaded from (`tokenizer.name_or_path`, which
   `load_target` sets to the target's directory). Other sources pass.
 
   Raises:
-    ValueError: the manifest names another tokenizer or target, with the fix.
+    ValueError: the manifest names another tokenizer, target or chat format, with the fix.
   """
   directory = sources.distilled_path(source)
   if directory is None:
     return
   manifest = sources.read_distilled_manifest(directory)
+  wrote_format = manifest.get("prompts", {}).get("chat_format", "template")
+  if chat_format is not None and chat_format != wrote_format:
+    raise ValueError(f"{directory} holds answers to prompts in the {wrote_format!r} chat format; read as "
+                     f"{chat_format!r} they would sit in contexts the target did not answer. Read it with "
+                     f"--config.data.chat_format={wrote_format}, or distil again with --config.data.chat_format="
+                     f"{chat_format} into a new --workdir.")
   wrote = manifest["target"]
   fix = (f"Distil the data with this model (python experiments/distill.py --config.model=MODEL "
          f"--workdir=NEW_DIR) or read it with the model that wrote it (--config.model={wrote['model']}).")

@@ -71,9 +71,10 @@ class DataOptions:
     """Builds (or reuses) the chat dataset these options name.
 
     A self-distilled source (`distilled:DIR`) must have been written by the target this tokenizer belongs
-    to (`distilled.check_source`): another model's answers are refused.
+    to (`distilled.check_source`) and is read in the chat format its prompts were written in: another model's
+    answers, or answers to another rendering, are refused.
     """
-    distilled.check_source(self.source, tokenizer)
+    distilled.check_source(self.source, tokenizer, self.chat_format)
     return tfds_builders.build_chat_dataset(
         tokenizer, self.source, max_length=self.max_length, heldout_fraction=self.heldout_fraction,
         split_seed=self.split_seed, source_options={"limit": self.max_records} if self.max_records else None,

@@ -120,3 +120,39 @@ def test_plain_records_of_real_sharegpt_and_the_template_refusal(tokenizer):
     assert chat.encode_record(tokenizer, record, chat_format="plain").assistant_mask.any()
   finally:
     tokenizer.chat_template = template
+
+
+def test_plain_prompt_is_the_plain_rendering_with_an_open_assistant_turn(tokenizer):
+  ids = chat.encode_prompt(tokenizer, CONVERSATION[:4], chat_format="plain")
+  expected = ("System: You answer briefly.\n\nUser: What is 2 + 2?\n\nAssistant: 4.  Anything else?\n\n"
+              "User: Say hi in French.\n\nAssistant:")
+  np.testing.assert_array_equal(ids, tokenizer(expected)["input_ids"])
+  assert ids.dtype == np.int32
+  # The prompt's tokens begin the conversation's plain tokens: the answer continues it as training reads it.
+  full = chat.encode_plain(tokenizer, CONVERSATION)
+  np.testing.assert_array_equal(full.input_ids[:len(ids)], ids)
+  assert full.assistant_mask[len(ids):].all()  # and the rest is the reply (its first token carries the space)
+  with pytest.raises(ValueError, match=r"one of \['template', 'plain'\]"):
+    chat.encode_prompt(tokenizer, CONVERSATION[:2], chat_format="chatml")
+  template = tokenizer.chat_template
+  try:
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match=r"no chat template .* --config\.data\.chat_format=plain"):
+      chat.encode_prompt(tokenizer, CONVERSATION[:2])
+    np.testing.assert_array_equal(chat.encode_prompt(tokenizer, CONVERSATION[:4], chat_format="plain"), ids)
+  finally:
+    tokenizer.chat_template = template
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Paris.", None),
+    ("Paris.\n\nUser: And Spain?", 6),
+    ("Paris.\n\nSystem: x\n\nUser: y", 6),
+    ("A\n\nB.\n\nAssistant: more", 5),  # paragraphs inside an answer are kept
+    ("User: a label at the start", None),
+    ("Paris.\nUser: one newline", None),
+    ("Paris.\n\nUser without a colon", None),
+    ("Paris.\n\nuser: lower case", None),
+])
+def test_plain_turn_end(text, expected):
+  assert chat.plain_turn_end(text) == expected

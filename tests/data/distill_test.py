@@ -5,8 +5,10 @@ On the tiny chat target (tests/conftest.py: random weights, SmolLM2's tokenizer 
 cutter on hand-made sequences, greedy answers equal to `layerwave.generate` on each prompt alone, resumption
 after an exception and after a SIGKILL of the launcher, evaluation prompts kept out (injected and real), the
 refusals (another target or tokenizer reading the data, a workdir with other settings, bad options, a source
-without user turns) and reading the data back through `data.source`. One run on the real SmolLM2 (4 prompts
-x 16 tokens).
+without user turns) and reading the data back through `data.source`. Plain-text prompts for base models: on a
+tiny random Gemma 3 with the real Gemma-3-270M tokenizer (BOS, no chat template), the prompts against an
+independent rendering, answers cut where the model starts a new turn, a two-turn run read back in the plain
+format, and the refusals across formats. One run on the real SmolLM2 (4 prompts x 16 tokens).
 """
 
 import dataclasses
@@ -322,6 +324,7 @@ def test_a_workdir_with_other_settings_is_refused(target, records, evals, distil
     ("temperature", -1.0, "temperature must be >= 0"),
     ("exclude", "mtbench,nope", "unknown evaluation sets"),
     ("max_new_tokens", "many", "distill.max_new_tokens must be an integer"),
+    ("chat_format", "chatml", r"must be one of \['template', 'plain'\], got 'chatml'.*--config\.data\.chat_format="),
 ])
 def test_bad_options_name_the_field(field, value, match):
   section = configs.load("smoke").distill.to_dict()
@@ -360,6 +363,170 @@ def test_later_turns_follow_the_regenerated_history(target, records, evals, tmp_
     ids = chat.encode_prompt(target.tokenizer, system + [user, first, second_user])
     alone = layerwave.generate(target, [ids.tolist()], options.max_new_tokens)[0]
     assert second["content"] == distill.make_answer(alone, target, options).text
+
+
+# -- plain-text prompts (base models) -------------------------------------------------------------------
+
+PLAIN = dataclasses.replace(OPTIONS, chat_format="plain")
+
+
+@pytest.fixture(scope="module")
+def base_target(tmp_path_factory):
+  """A tiny random Gemma 3 that speaks the real Gemma-3-270M tokenizer: a base model (BOS, no chat template)."""
+  hf_reference = pytest.importorskip("tests.models.hf_reference")  # needs torch
+  directory = str(tmp_path_factory.mktemp("tiny_base_target"))
+  real = hub.resolve("gemma3-270m")
+  model_type, extra = hf_reference.FAMILIES["gemma3"]
+  hf_reference.save_hf_model_with(directory, model_type=model_type,
+                                  **{**extra, "vocab_size": 262144, "bos_token_id": 2, "eos_token_id": 1,
+                                     "pad_token_id": 0})
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(real, name), os.path.join(directory, name))
+  return layerwave.load_target(directory)
+
+
+def _plain_prompt(tokenizer, messages):
+  """The plain prompt, rendered here by hand: BOS, "Role: content" paragraphs, an open "Assistant:"."""
+  text = "".join(f"{chat.PLAIN_ROLES[m['role']]}: {m['content'].strip()}\n\n" for m in messages)
+  return tokenizer(tokenizer.bos_token + text + "Assistant:", add_special_tokens=False)["input_ids"]
+
+
+def test_plain_prompts_are_the_plain_rendering_after_bos(base_target, records):
+  tokenizer = base_target.tokenizer
+  assert tokenizer.chat_template is None and tokenizer.bos_token == "<bos>"
+  prompts, _ = distill.select_prompts(records, tokenizer, dataclasses.replace(PLAIN, max_prompt_tokens=160), None)
+  assert len(prompts) == PLAIN.num_prompts
+  for p in prompts:
+    system = [m for m in p.record.messages[:1] if m["role"] == "system"]
+    assert p.ids.tolist() == _plain_prompt(tokenizer, system + [{"role": "user", "content": p.record.turns[0]}])
+    assert tokenizer.decode(p.ids.tolist()).startswith("<bos>User: ")
+
+
+@pytest.mark.parametrize("label", ["User", "Assistant", "System"])
+@pytest.mark.parametrize("model", ["target", "base_target"])
+def test_plain_answers_are_cut_where_the_model_starts_a_new_turn(model, label, request):
+  target = request.getfixturevalue(model)
+  tokenizer, eos = target.tokenizer, [target.eos_token_ids[0]]
+  answer = " Paris is the capital.\n\nIt is large."
+  kept = tokenizer(answer, add_special_tokens=False)["input_ids"]
+  more = tokenizer(answer + f"\n\n{label}: And of Spain?\n\nAssistant: Madrid", add_special_tokens=False)["input_ids"]
+  assert more[:len(kept)] == kept and len(more) > len(kept) + 3
+  assert distill.make_answer(more + eos, target, PLAIN) == distill.Answer(
+      text=answer.strip(), tokens=len(kept), generated=len(more) + 1, eos=False, loop_cut=False, turn_end_cut=True)
+  # Without a new turn nothing is cut; the template format never cuts at a role label.
+  assert distill.make_answer(kept + eos, target, PLAIN) == distill.Answer(
+      text=answer.strip(), tokens=len(kept), generated=len(kept) + 1, eos=True, loop_cut=False)
+  assert distill.make_answer(more + eos, target, OPTIONS).text.endswith("Madrid")
+  # The turn end is cut first; a loop before it is cut after.
+  loop = tokenizer(" Yes" * 40 + "\n\nUser: why?", add_special_tokens=False)["input_ids"]
+  got = distill.make_answer(loop, target, PLAIN)
+  assert (got.text, got.tokens, got.loop_cut, got.turn_end_cut) == ("Yes", 1, True, True)
+
+
+def test_a_plain_row_leaves_segmented_decoding_after_its_turn_ends(target, monkeypatch):
+  tokenizer = target.tokenizer
+  prompts = [chat.encode_prompt(tokenizer, [{"role": "user", "content": q}], chat_format="plain").tolist()
+             for q in ("a?", "b?")]
+  scripts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (
+      " Yes.\n\nUser: and then the model rambles on and on for many more tokens",
+      " one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen")]
+  rounds = [0, 0]
+
+  def scripted(target, batch, budget, **kwargs):  # each row goes on with its script
+    del target, kwargs
+    out = []
+    for row in batch:
+      k = next(k for k, p in enumerate(prompts) if row[:len(p)] == p)
+      out.append(scripts[k][len(row) - len(prompts[k]):][:budget])
+    for k in {next(k for k, p in enumerate(prompts) if row[:len(p)] == p) for row in batch}:
+      rounds[k] += 1
+    return out, {"steps": budget}
+
+  monkeypatch.setattr(distill, "generate", scripted)
+  options = dataclasses.replace(PLAIN, segment_tokens=2, max_new_tokens=16, loop_max_period=0)
+  answers, _ = distill.answer_prompts(target, prompts, options)
+  assert tokenizer.convert_ids_to_tokens(scripts[0][:6]) == ["ĠYes", ".", "Ċ", "Ċ", "User", ":"]
+  assert rounds == [3, 8]  # "User:" is complete after 3 rounds of 2 tokens; the other row runs to 16 tokens
+  assert [(a.text, a.turn_end_cut) for a in answers] == [
+      ("Yes.", True), (tokenizer.decode(scripts[1][:16]).strip(), False)]
+  one_call, _ = distill.answer_prompts(target, prompts, dataclasses.replace(options, segment_tokens=0))
+  assert [a.text for a in one_call] == [a.text for a in answers]
+
+
+def test_plain_distillation_of_a_base_model_reads_back_in_the_plain_format(base_target, records, evals, tmp_path):
+  tokenizer = base_target.tokenizer
+  options = dataclasses.replace(PLAIN, turns=2, num_prompts=4, max_new_tokens=8, max_prompt_tokens=160)
+  workdir = str(tmp_path / "plain")
+  manifest = distill.distill(base_target, options, workdir, records=records, eval_prompts=evals)
+  assert manifest["prompts"]["chat_format"] == "plain" and "turn_ends_cut" in manifest["output"]
+  with open(os.path.join(workdir, "settings.json")) as f:
+    assert json.load(f)["settings"]["chat_format"] == "plain"
+  out = sources.read_distilled(workdir)
+  by_id = {r.id: r for r in records}
+  answered = 0
+  for record in out:
+    messages = list(record.messages)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    assert users == list(by_id[record.id].turns[:len(users)]) and len(users) <= 2
+    for k, m in enumerate(messages):
+      if m["role"] == "assistant":  # each answer is greedy decoding of its plain history alone, cut the same way
+        alone = layerwave.generate(base_target, [_plain_prompt(tokenizer, messages[:k])], options.max_new_tokens,
+                                   prompt_width=options.max_prompt_tokens)[0]  # one compilation for all
+        assert m["content"] == distill.make_answer(alone, base_target, options).text
+        answered += 1
+  assert answered == manifest["output"]["assistant_turns"] > len(out) > 0  # second turns too
+  dataset = DataOptions(source=f"distilled:{workdir}", max_length=256, heldout_fraction=0.0,
+                        chat_format="plain").build(tokenizer)
+  assert dataset.num_examples["train"] == len(out)
+  ids = np.asarray(dataset.source("train")[0]["input_ids"])
+  assert tokenizer.decode(ids[ids != 0].tolist()).startswith("<bos>User: ")
+  with pytest.raises(ValueError, match=r"prompts in the 'plain' chat format.*--config\.data\.chat_format=plain"):
+    DataOptions(source=f"distilled:{workdir}", max_length=256).build(tokenizer)
+  # The template format needs a chat template: the error names the fix.
+  with pytest.raises(ValueError, match=r"no chat template .*--config\.data\.chat_format=plain"):
+    distill.distill(base_target, OPTIONS, str(tmp_path / "template"), records=records, eval_prompts=evals)
+
+
+def test_a_workdir_distilled_in_one_format_is_refused_for_the_other(target, records, evals, distilled, tmp_path):
+  workdir, manifest = distilled
+  with open(os.path.join(workdir, "settings.json")) as f:
+    assert "chat_format" not in json.load(f)["settings"]  # the template's fingerprint is the one before the option
+  assert manifest["prompts"]["chat_format"] == "template"
+  with pytest.raises(ValueError, match="other settings .*differing: chat_format.* new --workdir"):
+    distill.distill(target, PLAIN, workdir, records=records, eval_prompts=evals)
+  plain = str(tmp_path / "plain")
+  distill.distill(target, dataclasses.replace(PLAIN, num_prompts=2, chunk_size=2), plain, records=records,
+                  eval_prompts=evals)
+  with pytest.raises(ValueError, match="other settings .*differing: chat_format"):
+    distill.distill(target, dataclasses.replace(OPTIONS, num_prompts=2, chunk_size=2), plain, records=records,
+                    eval_prompts=evals)
+  # This tokenizer has a template, but answers to plain prompts are not read through it.
+  with pytest.raises(ValueError, match=r"prompts in the 'plain' chat format.*--config\.data\.chat_format=plain"):
+    DataOptions(source=f"distilled:{plain}", max_length=128).build(target.tokenizer)
+
+
+def test_the_stage_renders_prompts_in_the_data_sections_format(monkeypatch, tmp_path):
+  seen = []
+
+  def stop(target, options, workdir, **kwargs):
+    del target, workdir, kwargs
+    seen.append(options)
+    raise InterruptedError
+
+  monkeypatch.setattr(distill, "load_target", lambda *args, **kwargs: None)
+  monkeypatch.setattr(distill, "distill", stop)
+  for variant in ("", "smoke"):  # the base model's config: plain data, SmolLM2's distill section
+    gemma = configs.load(variant, name="gemma3_270m")
+    with pytest.raises(InterruptedError):
+      distill.run(gemma, str(tmp_path))
+    assert seen[-1].chat_format == "plain" and gemma.distill == configs.load(variant or "demo").distill
+  config = configs.load("smoke")
+  with pytest.raises(InterruptedError):
+    distill.run(config, str(tmp_path))
+  assert seen[-1].chat_format == "template"
+  config.data.chat_format = "chatml"
+  with pytest.raises(ValueError, match=r"one of \['template', 'plain'\].*--config\.data\.chat_format="):
+    distill.run(config, str(tmp_path))
 
 
 # -- the real target ------------------------------------------------------------------------------------
