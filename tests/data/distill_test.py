@@ -374,14 +374,7 @@ PLAIN = dataclasses.replace(OPTIONS, chat_format="plain")
 def base_target(tmp_path_factory):
   """A tiny random Gemma 3 that speaks the real Gemma-3-270M tokenizer: a base model (BOS, no chat template)."""
   hf_reference = pytest.importorskip("tests.models.hf_reference")  # needs torch
-  directory = str(tmp_path_factory.mktemp("tiny_base_target"))
-  real = hub.resolve("gemma3-270m")
-  model_type, extra = hf_reference.FAMILIES["gemma3"]
-  hf_reference.save_hf_model_with(directory, model_type=model_type,
-                                  **{**extra, "vocab_size": 262144, "bos_token_id": 2, "eos_token_id": 1,
-                                     "pad_token_id": 0})
-  for name in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(os.path.join(real, name), os.path.join(directory, name))
+  directory = hf_reference.save_tiny_gemma_with_real_tokenizer(str(tmp_path_factory.mktemp("tiny_base_target")))
   return layerwave.load_target(directory)
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+
+from layerwave.models import hub
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -73,3 +76,15 @@ def save_hf_model_with(directory: str, model_type: str = "llama", seed: int = 0,
   os.makedirs(directory, exist_ok=True)
   model.save_pretrained(directory, safe_serialization=True)
   return model
+
+
+def save_tiny_gemma_with_real_tokenizer(directory: str) -> str:
+  """A tiny random Gemma 3 (FAMILIES["gemma3"]) with Gemma-3-270M's real tokenizer: a base model (BOS, no chat
+  template, V = 262,144). Returns `directory`."""
+  real = hub.resolve("gemma3-270m")
+  model_type, extra = FAMILIES["gemma3"]
+  save_hf_model_with(directory, model_type=model_type,
+                     **{**extra, "vocab_size": 262144, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0})
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(real, name), os.path.join(directory, name))
+  return directory

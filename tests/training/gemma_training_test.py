@@ -7,7 +7,6 @@ batches, and the trained draft lossless in the speculative loop.
 """
 
 import os
-import shutil
 
 import jax
 import numpy as np
@@ -17,7 +16,6 @@ from flax import nnx
 import layerwave
 from layerwave import options
 from layerwave.data.options import DataOptions
-from layerwave.models import hub
 from layerwave.training import features
 from layerwave.training import loop
 from tests.training.features_test import tiny_config
@@ -26,14 +24,7 @@ from tests.training.features_test import tiny_config
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
   hf_reference = pytest.importorskip("tests.models.hf_reference")  # needs torch
-  directory = str(tmp_path_factory.mktemp("tiny_gemma_chat"))
-  real = hub.resolve("gemma3-270m")
-  model_type, extra = hf_reference.FAMILIES["gemma3"]
-  hf_reference.save_hf_model_with(directory, model_type=model_type,
-                                  **{**extra, "vocab_size": 262144, "bos_token_id": 2, "eos_token_id": 1,
-                                     "pad_token_id": 0})
-  for name in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(os.path.join(real, name), os.path.join(directory, name))
+  directory = hf_reference.save_tiny_gemma_with_real_tokenizer(str(tmp_path_factory.mktemp("tiny_gemma_chat")))
   return directory
 
 
