@@ -181,8 +181,8 @@ def forward_fn(graphdef, params, tokens, attention_mask, *, return_hidden_states
 
 
 def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
-                   return_hidden_states=False, hidden_layers=None, compute_logits=True
-                   ) -> TargetOutput:
+                   return_hidden_states=False, hidden_layers=None, compute_logits=True,
+                   read_slots=None) -> TargetOutput:
   """New tokens `[B, T]` against `cache` (un-jitted: called inside larger jitted loops).
 
   Args:
@@ -192,14 +192,14 @@ def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
     mask: `[B, T, T]` which new tokens each new token may read (causal for a chain, ancestors for a tree).
     cache: a `KVCache`; the new entries are written at slots `lengths[b] + i`.
     lengths: `[B]` committed prefix length per row.
-    return_hidden_states, hidden_layers, compute_logits: as `Transformer.__call__`.
+    return_hidden_states, hidden_layers, compute_logits, read_slots: as `Transformer.__call__`.
 
   Returns:
     `TargetOutput` with the updated cache (the caller commits by advancing `lengths`).
   """
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, mask, cache, lengths, return_hidden_states=return_hidden_states,
-               hidden_layers=hidden_layers, compute_logits=compute_logits)
+               hidden_layers=hidden_layers, compute_logits=compute_logits, read_slots=read_slots)
 
 
 def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,

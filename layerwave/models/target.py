@@ -71,7 +71,7 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
 
-  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None):
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -84,6 +84,8 @@ class Attention(nnx.Module):
       k = kv_cache.write(cache_kv[0], k, lengths)
       v = kv_cache.write(cache_kv[1], v, lengths)
       cache_kv = (k, v)
+      if read_slots is not None:  # attention reads the first `read_slots` slots only (static)
+        k, v = k[:, :read_slots], v[:, :read_slots]
     out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1)), cache_kv
 
@@ -107,9 +109,9 @@ class DecoderLayer(nnx.Module):
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = layers.MLP(d, config.intermediate_size, dtype=dtype, rngs=rngs, gelu=gemma)
 
-  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths):
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None):
     h, cache_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache_kv,
-                                 lengths)
+                                 lengths, read_slots)
     if self.pre_feedforward_layernorm is None:
       x = x + h
       x = x + self.mlp(self.post_attention_layernorm(x))
@@ -161,6 +163,7 @@ class Transformer(nnx.Module):
       return_hidden_states: bool = False,
       hidden_layers: tuple[int, ...] | None = None,
       compute_logits: bool = True,
+      read_slots: int | None = None,
   ) -> TargetOutput:
     """Runs the decoder.
 
@@ -173,6 +176,9 @@ class Transformer(nnx.Module):
       return_hidden_states: return hidden states (all L+1, or `hidden_layers`).
       hidden_layers: static subset of depths (HF convention) to return, in the given order.
       compute_logits: also apply the LM head to every position.
+      read_slots: with a cache, attention reads only its first `read_slots` slots (static; every row's
+        `lengths + T` must not exceed it), so a step costs what the live context costs, not the whole
+        preallocated cache. None reads every slot.
 
     Returns:
       A `TargetOutput`.
@@ -180,14 +186,12 @@ class Transformer(nnx.Module):
     c = self.config
     inv_freq = jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict),
                            jnp.float32)
-    if cache is not None:
-      full_mask = kv_cache.cache_mask(mask, lengths, cache.slots)
-    else:
-      full_mask = mask
+    read = None if cache is None else (cache.slots if read_slots is None else min(int(read_slots), cache.slots))
+    bound = None if read_slots is None else read  # what the attention layers slice the cache to
+    full_mask = mask if cache is None else kv_cache.cache_mask(mask, lengths, read)
     local_mask = local_freq = None
     if c.sliding_window is not None:  # Gemma 3's sliding layers: a narrower mask and their own RoPE base
-      local_mask = full_mask & kv_cache.window_mask(positions, c.sliding_window, lengths,
-                                                    None if cache is None else cache.slots)
+      local_mask = full_mask & kv_cache.window_mask(positions, c.sliding_window, lengths, read)
       local_freq = jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_local_theta, None), jnp.float32)
     x = self.embed(tokens)
     wanted = set(range(c.num_layers + 1) if hidden_layers is None else hidden_layers)
@@ -196,9 +200,9 @@ class Transformer(nnx.Module):
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.keys[i], cache.values[i])
       if c.is_sliding(i):
-        x, kv = layer(x, positions, local_freq, local_mask, kv, lengths)
+        x, kv = layer(x, positions, local_freq, local_mask, kv, lengths, bound)
       else:
-        x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths)
+        x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths, bound)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
