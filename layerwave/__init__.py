@@ -22,6 +22,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 from layerwave.eagle3 import load_eagle3
 from layerwave.export import export_eagle3
 from layerwave.generate import generate
+from layerwave import continuous  # noqa: E402  # layerwave.continuous.Engine
 from layerwave.inference import Target, load_target
 from layerwave.models.config import ModelConfig
 from layerwave.models.kv_cache import KVCache

@@ -111,7 +111,8 @@ def logits_fn(graphdef, params):
 
 def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, return_stats: bool = False, prompt_width: int = 0):
+             ignore_eos: bool = False, return_stats: bool = False, prompt_width: int = 0,
+             slots: int = 0, stop_fn=None, chunk_steps: int = 16):
   """Decodes new tokens for a batch of prompts.
 
   Args:
@@ -126,10 +127,23 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
     return_stats: also return `{'steps': decode steps run}`.
     prompt_width: pad prompts to at least this many tokens (one compilation for batches of any width
       up to it).
+    slots: > 0 streams the prompts through this many decoding rows (continuous batching,
+      `layerwave.continuous`): a finished row takes the next prompt, and attention reads only the slots the
+      live rows reach. Greedy output is the same; sampled output draws prompt i's tokens from its own stream
+      (`continuous` says how), so it differs from the static path's. 0 = one static batch.
+    stop_fn: with `slots`: `stop_fn(tokens) -> bool` ends a live row early (e.g. at a repetition loop).
+    chunk_steps: with `slots`: decode steps between host refills.
 
   Returns:
     One list of new tokens per prompt, each cut after its first EOS token (included).
   """
+  if slots:
+    from layerwave import continuous  # pylint: disable=g-import-not-at-top
+    return continuous.generate_continuous(
+        target, prompt_ids, max_new_tokens, slots, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, ignore_eos=ignore_eos, stop_fn=stop_fn, chunk_steps=chunk_steps, return_stats=return_stats)
+  if stop_fn is not None:
+    raise ValueError("stop_fn needs continuous batching: pass slots > 0.")
   sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}.")
