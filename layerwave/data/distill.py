@@ -34,6 +34,13 @@ cores rounds of 64 were 1.5x slower than one call (same answers, byte for byte),
 the batching (a test checks them against `layerwave.generate` on each prompt alone), so `batch_size` and
 `segment_tokens` may change between runs of one workdir.
 
+Continuous batching (`slots` > 0, the configs' default). One `layerwave.continuous.Engine` answers every
+chunk still to do: conversations stream through `slots` decoding rows, a row leaves as soon as its answer
+ends (EOS, `max_new_tokens`) or would be cut anyway (`stop_fn`: a repetition loop, or in the plain format the
+start of a new turn, checked every `chunk_steps` tokens), and the next prompt takes it; a conversation's next
+turn goes to the front of the queue. A chunk file is written when its last conversation is done, so resumption
+is unchanged. Greedy answers are those of the static path (tested), so `slots` may change between runs.
+
 Repetition loops. A small model often ends an answer by repeating a phrase until the token budget runs out;
 such answers are cut after the first occurrence of the repeated block (`repetition.find_loop` says how a loop
 is detected) and counted.
@@ -75,7 +82,7 @@ from layerwave.inference import Target, load_target
 from layerwave.sampling import SamplingParams
 
 __all__ = ["Answer", "DistillOptions", "Prompt", "answer_chunk", "answer_prompts", "distill", "make_answer", "run",
-           "select_prompts"]
+           "select_prompts", "stop_fn", "stream_chunks"]
 
 FORMAT_VERSION = 1
 MIN_WIDTH = 64
@@ -98,6 +105,11 @@ class DistillOptions:
     batch_size: prompts per `generate` call.
     segment_tokens: tokens decoded per round before finished rows leave and the rest are re-batched
       (`answer_prompts`); 0 = the whole budget in one call (faster on a CPU).
+    slots: > 0 answers with continuous batching (`layerwave.continuous`): conversations stream through this
+      many decoding rows across chunks, a row leaves at EOS, `max_new_tokens`, a repetition loop or (plain
+      format) a new turn, and the next prompt (a conversation's next turn first) takes it. 0 = static batches
+      of `batch_size` (`segment_tokens` applies only there).
+    chunk_steps: with `slots`: decode steps between the host's refills and stop checks.
     chunk_size: conversations per chunk, the unit of resumption.
     loop_max_period: longest repeated block the loop cutter looks for (0 = no loop cutting).
     loop_min_repeats: a loop must cover at least this many periods...
@@ -122,6 +134,8 @@ class DistillOptions:
   seed: int = 0
   batch_size: int = 16
   segment_tokens: int = 0
+  slots: int = 0
+  chunk_steps: int = 16
   chunk_size: int = 64
   loop_max_period: int = 64
   loop_min_repeats: int = 3
@@ -132,7 +146,7 @@ class DistillOptions:
   chat_format: str = "template"
 
   # Settings a rerun of the same workdir may change (they change how much is done or how fast, not what).
-  RESUMABLE = ("num_prompts", "batch_size", "segment_tokens")
+  RESUMABLE = ("num_prompts", "batch_size", "segment_tokens", "slots", "chunk_steps")
   # Fields added after workdirs recorded their settings: left out of `settings()` while they hold these
   # defaults, so those workdirs keep their fingerprint and resume.
   LATE_DEFAULTS: ClassVar[dict] = {"chat_format": "template"}
@@ -146,6 +160,8 @@ class DistillOptions:
         (self.batch_size >= 1, "batch_size must be >= 1", "batch_size=32"),
         (self.chunk_size >= 1, "chunk_size must be >= 1", "chunk_size=64"),
         (self.segment_tokens >= 0, "segment_tokens must be >= 0 (0 = the whole budget at once)", "segment_tokens=0"),
+        (self.slots >= 0, "slots must be >= 0 (0 = static batches)", "slots=16"),
+        (self.chunk_steps >= 1, "chunk_steps must be >= 1", "chunk_steps=16"),
         (self.loop_max_period >= 0, "loop_max_period must be >= 0 (0 = off)", "loop_max_period=64"),
         (self.loop_min_repeats >= 2, "loop_min_repeats must be >= 2", "loop_min_repeats=3"),
         (self.loop_min_tokens >= 0, "loop_min_tokens must be >= 0", "loop_min_tokens=32"),
@@ -270,6 +286,7 @@ class Answer:
     eos: the kept answer ends at EOS (not when a new turn started before it).
     loop_cut: a repetition loop was cut.
     turn_end_cut: (plain format) the model started a new turn, and the answer was cut there.
+    ids: the kept token ids (`text` is their decoding): what a release stores to rebuild the data.
   """
 
   text: str
@@ -278,6 +295,7 @@ class Answer:
   eos: bool
   loop_cut: bool
   turn_end_cut: bool = False
+  ids: tuple[int, ...] = ()
 
 
 def make_answer(tokens: Sequence[int], target: Target, options: DistillOptions) -> Answer:
@@ -294,7 +312,7 @@ def make_answer(tokens: Sequence[int], target: Target, options: DistillOptions) 
   body, cut = repetition.cut_loop(body, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens)
   text = target.tokenizer.decode(body, skip_special_tokens=True).strip()
   return Answer(text=text, tokens=len(body), generated=len(tokens), eos=eos and not turn_end, loop_cut=cut,
-                turn_end_cut=turn_end)
+                turn_end_cut=turn_end, ids=tuple(int(t) for t in body))
 
 
 def _pow2_at_least(n: int) -> int:
@@ -383,56 +401,132 @@ def _new_stats() -> dict[str, Any]:
   return {k: 0 for k in keys}
 
 
+def _new_conversation(p: Prompt) -> dict[str, Any]:
+  return {"index": p.index, "id": p.record.id, "group": p.record.split_key, "messages": _system(p.record),
+          "turns": _user_turns(p.record), "alive": True, "answer_tokens": []}
+
+
+def _turn_prompt(c: dict[str, Any], p: Prompt, turn: int, target: Target, options: DistillOptions,
+                 stats: dict[str, Any]) -> np.ndarray | None:
+  """The prompt of `turn` for conversation `c` (after its regenerated history), or None when it has none."""
+  if not c["alive"] or turn >= len(c["turns"]):
+    return None
+  if turn == 0:
+    return p.ids
+  prompt = chat.encode_prompt(target.tokenizer, c["messages"] + [{"role": "user", "content": c["turns"][turn]}],
+                              chat_format=options.chat_format)
+  if len(prompt) > options.max_prompt_tokens:
+    stats["turns_too_long"] += 1
+    c["alive"] = False
+    return None
+  return prompt
+
+
+def _record_answer(c: dict[str, Any], a: Answer, turn: int, options: DistillOptions, stats: dict[str, Any]) -> None:
+  """Counts answer `a` to `turn` and appends it to the conversation (or ends the conversation)."""
+  stats["generated_tokens"] += a.generated
+  stats["loops_cut"] += a.loop_cut
+  stats["turn_ends_cut"] += a.turn_end_cut
+  stats["eos_terminated"] += a.eos
+  unfinished = not (a.eos or a.loop_cut or a.turn_end_cut)
+  stats["unfinished"] += unfinished
+  if not a.text:
+    stats["empty_dropped"] += 1
+    c["alive"] = False
+  elif unfinished and not options.keep_unfinished:
+    stats["unfinished_dropped"] += 1
+    c["alive"] = False
+  else:
+    c["messages"] += [{"role": "user", "content": c["turns"][turn]}, {"role": "assistant", "content": a.text}]
+    c["answer_tokens"].append(list(a.ids))
+    stats["assistant_turns"] += 1
+    stats["tokens_written"] += a.tokens
+
+
+def _records(convs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The chunk's kept conversations; `answer_tokens` (one id list per assistant turn) is stored in the chunk
+  file beside them (the compact release format is built from it) and left out of the dataset."""
+  return [{k: c[k] for k in ("index", "id", "group", "messages", "answer_tokens")} for c in convs
+          if any(m["role"] == "assistant" for m in c["messages"])]
+
+
 def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOptions, chunk: int,
                  log_prefix: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
-  """Answers one chunk of conversations turn by turn; returns (conversation dicts, counts)."""
+  """Answers one chunk of conversations turn by turn in static batches; returns (conversation dicts, counts)."""
   stats = _new_stats()
-  convs = [{"index": p.index, "id": p.record.id, "group": p.record.split_key,
-            "messages": _system(p.record), "turns": _user_turns(p.record), "alive": True} for p in prompts]
+  convs = [_new_conversation(p) for p in prompts]
   for turn in range(options.turns):
     active, ids = [], []
     for c, p in zip(convs, prompts):
-      if not c["alive"] or turn >= len(c["turns"]):
-        continue
-      if turn == 0:
-        prompt = p.ids
-      else:
-        prompt = chat.encode_prompt(target.tokenizer,
-                                    c["messages"] + [{"role": "user", "content": c["turns"][turn]}],
-                                    chat_format=options.chat_format)
-        if len(prompt) > options.max_prompt_tokens:
-          stats["turns_too_long"] += 1
-          c["alive"] = False
-          continue
-      active.append(c)
-      ids.append(prompt)
+      prompt = _turn_prompt(c, p, turn, target, options, stats)
+      if prompt is not None:
+        active.append(c)
+        ids.append(prompt)
     if not active:
       break
     answers, counts = answer_prompts(target, ids, options, (chunk, turn),
                                      f"{log_prefix}turn {turn + 1}/{options.turns} ")
     stats["row_steps"] += counts["row_steps"]
     for c, a in zip(active, answers):
-      stats["generated_tokens"] += a.generated
-      stats["loops_cut"] += a.loop_cut
-      stats["turn_ends_cut"] += a.turn_end_cut
-      stats["eos_terminated"] += a.eos
-      unfinished = not (a.eos or a.loop_cut or a.turn_end_cut)
-      stats["unfinished"] += unfinished
-      if not a.text:
-        stats["empty_dropped"] += 1
-        c["alive"] = False
-      elif unfinished and not options.keep_unfinished:
-        stats["unfinished_dropped"] += 1
-        c["alive"] = False
-      else:
-        c["messages"] += [{"role": "user", "content": c["turns"][turn]},
-                          {"role": "assistant", "content": a.text}]
-        stats["assistant_turns"] += 1
-        stats["tokens_written"] += a.tokens
-  records = [{k: c[k] for k in ("index", "id", "group", "messages")} for c in convs
-             if any(m["role"] == "assistant" for m in c["messages"])]
+      _record_answer(c, a, turn, options, stats)
+  records = _records(convs)
   stats["conversations"] = len(records)
   return records, stats
+
+
+def stop_fn(target: Target, options: DistillOptions):
+  """What ends a continuous-batching row before EOS: whatever `make_answer` would cut anyway (`_finished`)."""
+  if not options.loop_max_period and options.chat_format != "plain":
+    return None
+  return lambda tokens: bool(tokens) and _finished(tokens, target, options)
+
+
+def stream_chunks(target: Target, prompts: Sequence[Prompt], chunk_ids: Sequence[int], options: DistillOptions):
+  """Answers chunks `chunk_ids` with continuous batching; yields `(k, records, stats)` as each chunk completes.
+
+  Every conversation's first turn is queued in chunk order; when a turn is answered, the conversation's next
+  turn goes to the front of the queue, so chunks complete roughly in order. A chunk's `seconds` and
+  `row_steps` are the engine's since the previous chunk completed.
+  """
+  from layerwave import continuous  # pylint: disable=g-import-not-at-top
+  size = options.chunk_size
+  engine = continuous.Engine(
+      target, options.slots, options.max_new_tokens, options.max_prompt_tokens, temperature=options.temperature,
+      top_k=options.top_k, top_p=options.top_p, seed=options.seed, stop_fn=stop_fn(target, options),
+      chunk_steps=options.chunk_steps, log_every=60.0)
+  state = {}  # k -> (convs, parts, stats, conversations left)
+  for k in chunk_ids:
+    part = list(prompts[k * size:(k + 1) * size])
+    convs = [_new_conversation(p) for p in part]
+    stats = _new_stats()
+    state[k] = [convs, part, stats, len(part)]
+    for i, (c, p) in enumerate(zip(convs, part)):
+      engine.submit(continuous.Request(ids=p.ids, seed_index=_seed(options.seed, k, i, 0), tag=(k, i, 0)))
+  last_seconds, last_steps = 0.0, 0
+  while engine.busy:
+    finished = engine.step()
+    completed = []
+    for f in finished:
+      k, i, turn = f.request.tag
+      convs, part, stats, _ = state[k]
+      c = convs[i]
+      _record_answer(c, make_answer(f.tokens, target, options), turn, options, stats)
+      nxt = _turn_prompt(c, part[i], turn + 1, target, options, stats) if turn + 1 < options.turns else None
+      if nxt is not None:
+        engine.submit(continuous.Request(ids=nxt, seed_index=_seed(options.seed, k, i, turn + 1),
+                                         tag=(k, i, turn + 1)), front=True)
+        continue
+      state[k][3] -= 1
+      if state[k][3] == 0:
+        completed.append(k)
+    for k in completed:
+      convs, _, stats, _ = state.pop(k)
+      stats["seconds"] = engine.stats["seconds"] - last_seconds
+      stats["row_steps"] = engine.stats["row_steps"] - last_steps
+      last_seconds, last_steps = engine.stats["seconds"], engine.stats["row_steps"]
+      records = _records(convs)
+      stats["conversations"] = len(records)
+      yield k, records, stats
 
 
 # -- the stage ---------------------------------------------------------------------------------------
@@ -535,22 +629,31 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
   if len(todo) < num_chunks:
     logging.info("Resuming: %d of %d chunks already done.", num_chunks - len(todo), num_chunks)
   run_seconds, run_tokens = 0.0, 0
-  for done, k in enumerate(todo):
+
+  def answered():
+    if options.slots:
+      yield from stream_chunks(target, prompts, todo, options)
+      return
+    for k in todo:
+      tic = time.perf_counter()
+      conversations, stats = answer_chunk(target, prompts[k * size:(k + 1) * size], options, k,
+                                          f"chunk {k + 1}/{num_chunks} ")
+      stats["seconds"] = time.perf_counter() - tic
+      yield k, conversations, stats
+
+  for done, (k, conversations, stats) in enumerate(answered()):
     part = prompts[k * size:(k + 1) * size]
-    tic = time.perf_counter()
-    conversations, stats = answer_chunk(target, part, options, k, f"chunk {k + 1}/{num_chunks} ")
-    stats["seconds"] = time.perf_counter() - tic
     chunk = {"chunk": k, "fingerprint": fingerprint, "ids": [p.record.id for p in part],
              "stats": stats, "records": conversations}
     atomic.write_json(_chunk_path(workdir, k), chunk)
     chunks[k] = chunk
     run_seconds += stats["seconds"]
-    run_tokens += stats["generated_tokens"]
+    run_tokens += stats["tokens_written"]
     left = len(todo) - done - 1
-    logging.info("Chunk %d/%d done: %d conversations, %d tokens in %.1f s; this run %.1f tokens/s, %d loops "
-                 "cut so far; %d chunks left, ETA %s.", k + 1, num_chunks, stats["conversations"],
-                 stats["generated_tokens"], stats["seconds"], run_tokens / max(run_seconds, 1e-9),
-                 sum(c["stats"]["loops_cut"] for c in chunks if c), left,
+    logging.info("Chunk %d/%d done: %d conversations, %d tokens kept (%d generated) in %.1f s; this run %.1f kept "
+                 "tokens/s, %d loops cut so far; %d chunks left, ETA %s.", k + 1, num_chunks,
+                 stats["conversations"], stats["tokens_written"], stats["generated_tokens"], stats["seconds"],
+                 run_tokens / max(run_seconds, 1e-9), sum(c["stats"]["loops_cut"] for c in chunks if c), left,
                  _duration(run_seconds / (done + 1) * left))
   return _finish(workdir, chunks, counts, options, identity, fingerprint, model, target, wall)
 
@@ -563,7 +666,7 @@ def _duration(seconds: float) -> str:
 
 def _finish(workdir, chunks, counts, options, identity, fingerprint, model, target, wall) -> dict[str, Any]:
   """Builds the dataset from the chunks when they changed, then writes the manifest."""
-  records = [r for c in chunks for r in c["records"]]
+  records = [{k: v for k, v in r.items() if k != "answer_tokens"} for c in chunks for r in c["records"]]
   totals = _new_stats()
   for c in chunks:
     for k in totals:

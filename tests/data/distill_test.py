@@ -365,6 +365,56 @@ def test_later_turns_follow_the_regenerated_history(target, records, evals, tmp_
     assert second["content"] == distill.make_answer(alone, target, options).text
 
 
+# -- continuous batching --------------------------------------------------------------------------------
+
+CONTINUOUS = dataclasses.replace(OPTIONS, slots=3, chunk_steps=4)
+
+
+def test_continuous_batching_gives_the_static_records(target, records, evals, distilled, tmp_path):
+  """Rows leave at a loop, EOS or the budget and take the next prompt across chunks: the data is the same."""
+  workdir = str(tmp_path / "continuous")
+  manifest = distill.distill(target, CONTINUOUS, workdir, records=records, eval_prompts=evals)
+  assert _read(workdir) == _read(distilled[0])
+  out, ref = manifest["output"], distilled[1]["output"]
+  assert out["tokens_written"] == ref["tokens_written"] and out["loops_cut"] == ref["loops_cut"] > 0
+  assert out["generated_tokens"] < ref["generated_tokens"]  # looping rows stopped early
+  assert manifest["settings_fingerprint"] == distilled[1]["settings_fingerprint"]  # slots are resumable
+
+
+def test_continuous_later_turns_equal_static_ones(target, records, evals, tmp_path):
+  options = dataclasses.replace(OPTIONS, turns=2, num_prompts=6, max_new_tokens=8, max_prompt_tokens=160)
+  distill.distill(target, options, str(tmp_path / "static"), records=records, eval_prompts=evals)
+  distill.distill(target, dataclasses.replace(options, slots=2, chunk_steps=3), str(tmp_path / "cont"),
+                  records=records, eval_prompts=evals)
+  out = _read(str(tmp_path / "cont"))
+  assert out == _read(str(tmp_path / "static"))
+  assert any(sum(m["role"] == "assistant" for m in r.messages) == 2 for r in out)
+
+
+def test_a_killed_continuous_run_resumes_without_duplicates_or_gaps(target, records, evals, distilled, tmp_path,
+                                                                   monkeypatch):
+  from layerwave import continuous  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / "killed")
+  real, steps = continuous.Engine.step, []
+
+  def dies_after_the_first_chunk_file(self):
+    steps.append(1)
+    if os.path.isdir(os.path.join(workdir, "chunks")) and os.listdir(os.path.join(workdir, "chunks")):
+      raise KeyboardInterrupt("killed")
+    return real(self)
+
+  monkeypatch.setattr(continuous.Engine, "step", dies_after_the_first_chunk_file)
+  with pytest.raises(KeyboardInterrupt):
+    distill.distill(target, CONTINUOUS, workdir, records=records, eval_prompts=evals)
+  written = sorted(os.listdir(os.path.join(workdir, "chunks")))
+  assert "00000.json" in written and len(written) < 3 and not os.path.exists(os.path.join(workdir, "manifest.json"))
+  monkeypatch.setattr(continuous.Engine, "step", real)
+  manifest = distill.distill(target, CONTINUOUS, workdir, records=records, eval_prompts=evals)
+  again = _read(workdir)
+  assert again == _read(distilled[0])
+  assert len({r.id for r in again}) == len(again) == manifest["dataset"]["num_examples"]
+
+
 # -- plain-text prompts (base models) -------------------------------------------------------------------
 
 PLAIN = dataclasses.replace(OPTIONS, chat_format="plain")
@@ -539,3 +589,69 @@ def test_real_smollm2_answers_four_prompts(tmp_path):
   assert manifest["target"]["num_layers"] == 30 and manifest["output"]["generated_tokens"] <= 4 * 16
   assert 0 < manifest["output"]["tokens_written"] <= manifest["output"]["generated_tokens"]
   assert np.isfinite(manifest["time"]["generated_tokens_per_s"])
+
+
+# -- the compact release of the answers ------------------------------------------------------------------
+
+def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, evals, distilled, tmp_path,
+                                                             monkeypatch):
+  from layerwave.data import release  # pylint: disable=g-import-not-at-top
+  workdir, manifest = distilled
+  out = str(tmp_path / "release")
+  packed = release.pack(workdir, out, commands=["distill ..."])
+  assert packed["content"] == manifest["dataset"]["content"] and packed["chunks"] == manifest["dataset"]["chunks"]
+  names = sorted(os.listdir(out))
+  assert names == ["MANIFEST.json"] + [f"answers-{k:05d}.json.gz" for k in range(packed["chunks"])] + [
+      "settings.json"]
+  # No prompt text in the release: only ids, positions and token ids.
+  import gzip  # pylint: disable=g-import-not-at-top
+  with gzip.open(os.path.join(out, "answers-00000.json.gz"), "rt") as f:
+    body = json.load(f)
+  assert set(body["records"][0]) == {"index", "id", "answers"}
+  assert release.pack(workdir, out)["sha256"] == packed["sha256"]  # packing again changes nothing
+
+  rebuilt = str(tmp_path / "rebuilt")
+  release.unpack(out, rebuilt, target=target, records=records)
+  monkeypatch.setattr(distill, "answer_chunk", lambda *a, **k: pytest.fail("a released chunk was distilled again"))
+  again = distill.distill(target, OPTIONS, rebuilt, records=records, eval_prompts=evals)
+  assert again["dataset"]["content"] == manifest["dataset"]["content"]
+  assert _read(rebuilt) == _read(workdir)
+
+
+def test_an_altered_or_foreign_release_is_refused(target, records, evals, distilled, tmp_path,
+                                                  tiny_chat_target_dir):
+  from layerwave.data import release  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "release")
+  release.pack(distilled[0], out)
+  del tiny_chat_target_dir
+  other = layerwave.load_target(hub.resolve("smollm2-135m-instruct"))  # the same tokenizer, another checkpoint
+  with pytest.raises(release.ReleaseError, match="another target"):
+    release.unpack(out, str(tmp_path / "w1"), target=other, records=records)
+  # A prompt source whose conversations moved is named.
+  with pytest.raises(release.ReleaseError, match="not at position"):
+    release.unpack(out, str(tmp_path / "w2"), target=target, records=records[1:])
+  # Answers edited with the manifest's checksums updated: the rebuilt records miss the content fingerprint.
+  import gzip  # pylint: disable=g-import-not-at-top
+  path = os.path.join(out, "answers-00001.json.gz")
+  with open(path, "rb") as f:
+    data = f.read()
+  body = json.loads(gzip.decompress(data))
+  body["records"][0]["answers"][0] = body["records"][0]["answers"][0][:-1]
+  with open(path, "wb") as f:
+    f.write(gzip.compress(json.dumps(body).encode()))
+  with open(os.path.join(out, "MANIFEST.json")) as f:
+    manifest = json.load(f)
+  manifest["sha256"]["answers-00001.json.gz"] = release.sha256(path)
+  with open(os.path.join(out, "MANIFEST.json"), "w") as f:
+    json.dump(manifest, f)
+  with pytest.raises(release.ReleaseError, match="do not match its content fingerprint"):
+    release.unpack(out, str(tmp_path / "w3"), target=target, records=records)
+  with open(path, "wb") as f:
+    f.write(data[:-3])
+  with pytest.raises(release.ReleaseError, match="does not match its SHA-256"):
+    release.verify(out)
+  os.remove(path)
+  with pytest.raises(release.ReleaseError, match="is missing"):
+    release.verify(out)
+  with pytest.raises(release.ReleaseError, match="no MANIFEST.json"):
+    release.verify(str(tmp_path))
