@@ -18,7 +18,12 @@ SCRIPT = """
       o = t.forward(ids, return_hidden_states=True)
       result[name] = dict(logits=np.asarray(o.logits).tolist(),
                           hidden=np.asarray(o.hidden_states).tolist(),
-                          gen=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 3, 6))
+                          gen=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 3, 6),
+                          cont=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 5, 6, slots=8 if name == "data8" else 4))
+      try:
+        layerwave.continuous.Engine(t, 3, 6, 8)
+      except ValueError as e:
+        result[name]["slots_error"] = str(e)
     write_result(result)
 """
 
@@ -35,6 +40,8 @@ def test_eight_devices_match_one(tmp_path):
     np.testing.assert_allclose(result[name]["logits"], ref.logits, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(result[name]["hidden"], ref.hidden_states, atol=1e-4, rtol=1e-4)
     assert result[name]["gen"] == gen
+    assert result[name]["cont"] == gen[:2] * 5  # continuous batching over the data axis, rows refilled
+    assert "not a multiple of the mesh's data axis" in result[name]["slots_error"]
 
 
 def test_mesh_errors():
