@@ -42,8 +42,7 @@ from absl import logging
 from flax import struct
 
 from layerwave import sharding
-from layerwave.generate import compute_dtype, logits_fn
-from layerwave.inference import Target, cached_forward, check_token_ids, new_cache
+from layerwave.inference import Target, cached_forward, check_token_ids, compute_dtype, logits_fn, new_cache
 from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.sampling import SamplingParams, sample
 

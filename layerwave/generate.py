@@ -20,11 +20,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from flax import struct
 
 from layerwave import sharding
-from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
+from layerwave import continuous
+from layerwave.inference import Target, cached_forward, compute_dtype, logits_fn, new_cache, pad_prompts
 from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.sampling import SamplingParams, sample
 
@@ -100,15 +100,6 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
   return state.tokens, state.step
 
 
-def compute_dtype(graphdef, params):
-  """The compute dtype a model was built with (`Transformer` / `Draft`): the dtype of its KV cache."""
-  return nnx.merge(graphdef, params).compute_dtype
-
-
-def logits_fn(graphdef, params):
-  return nnx.merge(graphdef, params).logits
-
-
 def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              ignore_eos: bool = False, return_stats: bool = False, prompt_width: int = 0,
@@ -138,7 +129,6 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
     One list of new tokens per prompt, each cut after its first EOS token (included).
   """
   if slots:
-    from layerwave import continuous  # pylint: disable=g-import-not-at-top
     return continuous.generate_continuous(
         target, prompt_ids, max_new_tokens, slots, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, ignore_eos=ignore_eos, stop_fn=stop_fn, chunk_steps=chunk_steps, return_stats=return_stats)

@@ -180,6 +180,15 @@ def forward_fn(graphdef, params, tokens, attention_mask, *, return_hidden_states
                compute_logits=compute_logits)
 
 
+def compute_dtype(graphdef, params):
+  """The compute dtype a model was built with (`Transformer` / `Draft`): the dtype of its KV cache."""
+  return nnx.merge(graphdef, params).compute_dtype
+
+
+def logits_fn(graphdef, params):
+  return nnx.merge(graphdef, params).logits
+
+
 def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
                    return_hidden_states=False, hidden_layers=None, compute_logits=True,
                    read_slots=None) -> TargetOutput:

@@ -69,6 +69,7 @@ import numpy as np
 from absl import logging
 
 from layerwave import atomic
+from layerwave import continuous
 from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.data import chat
@@ -488,7 +489,6 @@ def stream_chunks(target: Target, prompts: Sequence[Prompt], chunk_ids: Sequence
   turn goes to the front of the queue, so chunks complete roughly in order. A chunk's `seconds` and
   `row_steps` are the engine's since the previous chunk completed.
   """
-  from layerwave import continuous  # pylint: disable=g-import-not-at-top
   size = options.chunk_size
   engine = continuous.Engine(
       target, options.slots, options.max_new_tokens, options.max_prompt_tokens, temperature=options.temperature,

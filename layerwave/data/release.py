@@ -26,6 +26,11 @@ import sys
 from typing import Any
 
 from layerwave import atomic
+from layerwave.data import distill
+from layerwave.data import distilled
+from layerwave.data import sources
+from layerwave.data import tfds_builders
+from layerwave.inference import load_target
 
 __all__ = ["ReleaseError", "pack", "unpack", "verify", "MANIFEST"]
 
@@ -183,16 +188,11 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
     ReleaseError: an altered release, another target, a prompt source whose conversations differ, or answers
       whose rebuilt records do not match the release's content fingerprint.
   """
-  from layerwave.data import distill  # pylint: disable=g-import-not-at-top
-  from layerwave.data import distilled  # pylint: disable=g-import-not-at-top
-  from layerwave.data import sources  # pylint: disable=g-import-not-at-top
-  from layerwave.data import tfds_builders  # pylint: disable=g-import-not-at-top
   manifest = verify(release_dir)
   with open(os.path.join(release_dir, "settings.json"), encoding="utf-8") as f:
     settings = json.load(f)
   values = settings["settings"]
   if target is None:
-    from layerwave.inference import load_target  # pylint: disable=g-import-not-at-top
     target = load_target(values.get("model", "smollm2-135m-instruct"), dtype=values.get("dtype", "float32"))
   if distilled.target_fingerprint(target) != values["target_fingerprint"]:
     raise ReleaseError(f"{release_dir} was distilled by another target (fingerprint {values['target_fingerprint']}, "

@@ -455,10 +455,11 @@ def test_plain_answers_are_cut_where_the_model_starts_a_new_turn(model, label, r
   more = tokenizer(answer + f"\n\n{label}: And of Spain?\n\nAssistant: Madrid", add_special_tokens=False)["input_ids"]
   assert more[:len(kept)] == kept and len(more) > len(kept) + 3
   assert distill.make_answer(more + eos, target, PLAIN) == distill.Answer(
-      text=answer.strip(), tokens=len(kept), generated=len(more) + 1, eos=False, loop_cut=False, turn_end_cut=True)
+      text=answer.strip(), tokens=len(kept), generated=len(more) + 1, eos=False, loop_cut=False, turn_end_cut=True,
+      ids=tuple(kept))
   # Without a new turn nothing is cut; the template format never cuts at a role label.
   assert distill.make_answer(kept + eos, target, PLAIN) == distill.Answer(
-      text=answer.strip(), tokens=len(kept), generated=len(kept) + 1, eos=True, loop_cut=False)
+      text=answer.strip(), tokens=len(kept), generated=len(kept) + 1, eos=True, loop_cut=False, ids=tuple(kept))
   assert distill.make_answer(more + eos, target, OPTIONS).text.endswith("Madrid")
   # The turn end is cut first; a loop before it is cut after.
   loop = tokenizer(" Yes" * 40 + "\n\nUser: why?", add_special_tokens=False)["input_ids"]
