@@ -10,10 +10,12 @@ XLA's partitioner places the collectives.
 from __future__ import annotations
 
 import math
+import os
 from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 MeshSpec = Sequence[tuple[str, int]]
@@ -26,8 +28,20 @@ def maybe_initialize_distributed(enabled: bool) -> None:
   On TPU pods and under SLURM/Open MPI, `jax.distributed.initialize()` discovers the coordinator
   itself; elsewhere set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
   """
-  if enabled and jax.process_count() == 1:
-    jax.distributed.initialize()
+  # Nothing here may touch the XLA backend (`jax.process_count()` would start it, and initialize() must come
+  # first); `is_initialized` reads the distributed runtime's own state.
+  if not enabled or jax.distributed.is_initialized():
+    return
+  # JAX reads JAX_COORDINATOR_ADDRESS itself but not the process count and id; pass them when they are set
+  # (clusters JAX detects on its own need none of the three).
+  kwargs = {}
+  for key, name in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+    if os.environ.get(name):
+      try:
+        kwargs[key] = int(os.environ[name])
+      except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r} is not an integer; set it to the {key.replace('_', ' ')}.")
+  jax.distributed.initialize(**kwargs)
 
 
 def make_mesh(spec: MeshSpec = DEFAULT_MESH, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -59,6 +73,55 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def data_position(mesh: Mesh) -> tuple[int, int]:
+  """(this process's block along the mesh's 'data' axis, the number of such blocks).
+
+  A process feeds the rows of the data-axis positions its devices hold, so processes are counted along
+  'data', not by `jax.process_index()`: when the 'model' axis spans hosts, the processes of one model group
+  hold the same data positions and feed the same rows (levanter's `process_mesh_position`). Batch iterators
+  take these as their `process_index` / `process_count`.
+  """
+  if "data" not in mesh.axis_names:
+    return 0, 1
+  axis = mesh.axis_names.index("data")
+  me = jax.process_index()
+  mine = sorted({idx[axis] for idx in np.ndindex(mesh.devices.shape) if mesh.devices[idx].process_index == me})
+  if not mine:
+    raise ValueError(f"Process {me} holds no device of the mesh {dict(mesh.shape)}: build the mesh over "
+                     "jax.devices() (every process's devices).")
+  size, held = mesh.shape["data"], len(mine)
+  if mine != list(range(mine[0], mine[0] + held)) or size % held or mine[0] % held:
+    raise ValueError(f"Process {me} holds data positions {mine} of {size}: a process must hold one "
+                     "contiguous, aligned block of the 'data' axis; order the mesh's devices by process.")
+  return mine[0] // held, size // held
+
+
+def global_batch(mesh: Mesh, tree):
+  """This process's rows (numpy, its `data_position` block of the global batch) → global arrays sharded over
+  'data' along axis 0. The one way batches reach a mesh: with a single process it is a plain `device_put`;
+  across processes each contributes its own rows (`jax.make_array_from_process_local_data`, as the feature
+  store's batches and big_vision's `make_fsarray_from_local_slice`), where `device_put` would take every
+  process's rows for the whole, identical global value."""
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, max(x.ndim, 1)), x)
+  return jax.tree.map(put, tree)
+
+
+def to_host(x) -> np.ndarray:
+  """A global array's whole value on this host (all processes must call it: it gathers across them)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def process_sum(value: int) -> int:
+  """The sum over processes of a per-process host count (every process must call it)."""
+  if jax.process_count() == 1:
+    return int(value)
+  return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:

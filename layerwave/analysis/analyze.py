@@ -58,8 +58,10 @@ def run(config, workdir: str) -> dict:
     raise ValueError(f"{config.model} has no tokenizer; the analysis tokenises chat data")
   ds = data_options.build(tok)
   pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+  process_index, process_count = sharding.data_position(mesh)
   batches = data_lib.BatchIterator(ds.source(split), batch_size=batch_size, seq_len=data_options.max_length,
-                                   pad_id=pad_id, seed=collect_options.seed, num_epochs=1)
+                                   pad_id=pad_id, seed=collect_options.seed, num_epochs=1,
+                                   process_index=process_index, process_count=process_count)
   logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, split,
                ds.num_examples.get(split, 0), batch_size, data_options.max_length)
   result = collect.collect_stats(target, batches, collect_options, mesh)

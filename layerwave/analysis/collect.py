@@ -284,8 +284,9 @@ def _put_batch(batch, mesh):
   if arrays[0].ndim != 2 or any(a.shape != arrays[0].shape for a in arrays):
     raise ValueError(f"a batch needs input_ids / attention_mask / assistant_mask of one shape [B, T]; got "
                      f"{[a.shape for a in arrays]}")
-  sharding.check_batch(mesh, arrays[0].shape[0])
-  return jax.device_put(arrays, sharding.batch_sharding(mesh))
+  _, blocks = sharding.data_position(mesh)
+  sharding.check_batch(mesh, arrays[0].shape[0] * blocks)  # the global batch: every process's rows
+  return sharding.global_batch(mesh, arrays)
 
 
 def _calibrate(target, calibration: list, options: CollectOptions, mesh) -> float:
@@ -294,8 +295,9 @@ def _calibrate(target, calibration: list, options: CollectOptions, mesh) -> floa
   entropies, masks = [], []
   for batch in calibration:
     entropy, eligible = step(target.params, *_put_batch(batch, mesh))
-    entropies.append(np.asarray(entropy))
-    masks.append(np.asarray(eligible) & np.isfinite(np.asarray(entropy)))
+    entropy, eligible = sharding.to_host(entropy), sharding.to_host(eligible)  # the global batch's
+    entropies.append(entropy)
+    masks.append(eligible & np.isfinite(entropy))
   threshold = token_filter.percentile_threshold(entropies, masks, options.percentile)
   logging.info("Calibration over %d batches (%d eligible tokens): the %.1f-th percentile of token entropy "
                "is %.4f nats.", len(calibration), int(sum(m.sum() for m in masks)), options.percentile,
@@ -361,7 +363,7 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
     half = index % num_halves
     states[half] = step(target.params, states[half], *arrays, threshold_arr, np.int32(index))
     num_batches += 1
-    seen_eligible += _host_eligible(batch, options.assistant_only)
+    seen_eligible += sharding.process_sum(_host_eligible(batch, options.assistant_only))  # global: all stop together
     if index == 0:
       jax.block_until_ready(states[half])  # compilation + first batch: not part of the throughput
       start = last_time = time.perf_counter()

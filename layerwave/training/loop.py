@@ -272,7 +272,7 @@ def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, ba
 
 def _online_arrays(batch, mesh):
   arrays = {k: v for k, v in batch.arrays().items() if k != "example_mask"}
-  return jax.device_put(arrays, sharding.batch_sharding(mesh))
+  return sharding.global_batch(mesh, arrays)
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -338,7 +338,9 @@ def run(config, workdir: str) -> dict[str, Any]:
                "selection": record.to_dict(), "dataset": dataset_name,
                "config": json.loads(config.to_json_best_effort())}
   pad_id = int(target.tokenizer.pad_token_id or 0)
-  iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id)
+  process_index, process_count = sharding.data_position(mesh)
+  iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id, process_index=process_index,
+                 process_count=process_count)
   heldout_batches = dict(iterate, shuffle=False, drop_remainder=False, num_epochs=1)
   train_iterate = dict(iterate, seed=seed, position=position, widths=t.bucket_widths)
   if store is None:

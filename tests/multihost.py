@@ -1,0 +1,68 @@
+"""Runs a test script in two real JAX processes (`jax.distributed` over 127.0.0.1), as a pod runs a launcher.
+
+Each process has one CPU device, finds the coordinator in JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID (what `sharding.maybe_initialize_distributed` reads, so the script must call it, or a stage that
+does, before anything touches the XLA backend), and gets `ARGS` (strings) and `PROCESS` (its id) after a
+prelude that puts the repository on `sys.path` and sets tests/conftest.py's matmul precision. Every process
+passes its result to `write_result(obj)`; the caller gets the list, one per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PRELUDE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+OUT, ARGS = sys.argv[2], sys.argv[3:]
+PROCESS = int(os.environ["JAX_PROCESS_ID"])
+
+
+def write_result(obj):
+  with open(OUT, "w") as f:
+    json.dump(obj, f)
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_in_processes(script: str, tmp_path, *args: Any, num_processes: int = 2, timeout: int = 600) -> list:
+  """Runs `script` (Python source, dedented) in `num_processes` JAX processes; returns their results."""
+  address = f"127.0.0.1:{_free_port()}"
+  outs, procs = [], []
+  for i in range(num_processes):
+    outs.append(os.path.join(str(tmp_path), f"multihost_result_{i}.json"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=address,
+               JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i))
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    procs.append(subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(script), REPO, outs[i],
+                                   *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+  finally:
+    for p in procs:
+      p.kill()
+  for i, p in enumerate(procs):
+    if p.returncode:
+      raise AssertionError(f"process {i} of {num_processes} exited with {p.returncode}:\n{logs[i][-6000:]}")
+  results = []
+  for out in outs:
+    with open(out) as f:
+      results.append(json.load(f))
+  return results

