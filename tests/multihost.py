@@ -60,7 +60,7 @@ def run_in_processes(script: str, tmp_path, *args: Any, num_processes: int = 2, 
       p.kill()
   for i, p in enumerate(procs):
     if p.returncode:
-      raise AssertionError(f"process {i} of {num_processes} exited with {p.returncode}:\n{logs[i][-6000:]}")
+      raise AssertionError(f"process {i} of {num_processes} exited with {p.returncode}:\n{logs[i][-12000:]}")
   results = []
   for out in outs:
     with open(out) as f:

@@ -5,7 +5,11 @@ analysis's statistics, online training's held-out metrics, and a checkpoint writ
 in one. The one-process run goes first, so the tfds dataset both read is built before two processes open it.
 """
 
+import jax
 import numpy as np
+from flax import nnx
+
+import layerwave
 
 
 from tests import multihost
@@ -43,3 +47,33 @@ def test_analysis_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path):
       np.testing.assert_allclose(b[kind][key], a[kind][key], rtol=1e-4, atol=1e-5, err_msg=f"{kind}.{key}")
   np.testing.assert_allclose(b["filtered"]["cka_exact"], a["filtered"]["cka_exact"], rtol=1e-4, atol=1e-5)
   assert one["selections"] == two[0]["selections"] == two[1]["selections"]
+
+
+_TRAIN = """
+from layerwave.training import loop
+from tests import configs
+config = configs.load("smoke")
+config.model, config.distributed, config.layers = ARGS[0], True, (1, 2, 3)
+config.data.max_length, config.data.max_records, config.data.heldout_fraction = 128, 80, 0.25
+config.draft_model.vocab_size = 256
+t = config.train
+t.batch_size, t.num_steps, t.warmup_steps, t.ttt_steps, t.lr = 4, 4, 1, 2, 1e-2
+t.log_every = t.eval_every = t.checkpoint_every = 2
+t.eval_batches = 2
+out = loop.run(config, os.path.join(ARGS[1], "train"))
+write_result({k: out[k] for k in ("step", "heldout_loss", "heldout_acc", "heldout_sim_tau") if k in out})
+"""
+
+
+def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_chat_target_dir, tmp_path):
+  one, = _stage(_TRAIN, tmp_path, "train", tiny_chat_target_dir, num_processes=1)
+  two = _stage(_TRAIN, tmp_path, "train", tiny_chat_target_dir, num_processes=2)
+  assert one["step"] == 4 and two[0] == two[1]
+  assert set(one) == set(two[0]) and one["heldout_loss"] > 0  # tokens were evaluated
+  for key in set(one) - {"step"}:
+    np.testing.assert_allclose(two[0][key], one[key], rtol=2e-4, atol=1e-5, err_msg=key)
+  # The checkpoint two processes wrote restores in this one process, with the one-process run's weights.
+  target = layerwave.load_target(tiny_chat_target_dir)
+  drafts = [layerwave.load_draft(str(tmp_path / f"train-{n}" / "train"), target) for n in (1, 2)]
+  for a, b in zip(*(jax.tree.leaves(nnx.state(d, nnx.Param)) for d in drafts)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)

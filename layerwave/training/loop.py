@@ -214,6 +214,10 @@ def init_head_from_target(draft: Draft, target: Target) -> None:
 
 
 def _replicate(tree, mesh):
+  if jax.process_count() > 1:
+    # Across processes, device_put of a process-local jax.Array can build an array whose shards are not one
+    # per device (orbax cannot save it); the same value from host memory places cleanly on every process.
+    tree = jax.tree.map(np.asarray, tree)
   return jax.device_put(tree, sharding.replicated(mesh))
 
 
