@@ -82,6 +82,7 @@ def main(argv):
   options = dataclasses.replace(options, num_prompts=_NUM.value + 8, slots=_SLOTS.value,
                                 chunk_steps=_CHUNK.value, batch_size=_BATCH.value or options.batch_size)
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.require_single_process("bench_generation")
   target = load_target(config.model, dtype=config.dtype, mesh=sharding.make_mesh(config.mesh))
   index = decontaminate.EvalIndex.build(decontaminate.eval_prompts(options.exclude_sets), options.exclude_min_chars)
   selected, _ = distill.select_prompts(sources.get_source(options.source), target.tokenizer, options, index)

@@ -22,6 +22,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Optional directory for generati
 def run(config, workdir=None) -> list[dict]:
   """Loads `config.model`, answers each question greedily (or sampled), prints and returns them."""
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.require_single_process("Generation")
   target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   tok = target.tokenizer
   if tok is None or tok.chat_template is None:

@@ -37,6 +37,7 @@ _PROMPT = flags.DEFINE_string("prompt", None, "One question instead of the datas
 def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   """Decodes every prompt speculatively (paired with AR when `compare_ar`); returns the aggregate metrics."""
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.require_single_process("Speculative decoding")
   s = config.speculate
   settings = evaluate.DecodeSettings.from_config(s)
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)

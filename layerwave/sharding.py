@@ -75,6 +75,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def require_single_process(stage: str) -> None:
+  """Refuses, before any work, a stage that runs in one JAX process only, started in several."""
+  if jax.process_count() > 1:
+    raise ValueError(f"{stage} runs in one JAX process, not {jax.process_count()}: the host drives every decode "
+                     "step and would repeat it on each process. Run it without --config.distributed (one "
+                     "process per machine); the analysis, extraction and draft training run multi-host.")
+
+
 def data_position(mesh: Mesh) -> tuple[int, int]:
   """(this process's block along the mesh's 'data' axis, the number of such blocks).
 

@@ -77,3 +77,22 @@ def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_ch
   drafts = [layerwave.load_draft(str(tmp_path / f"train-{n}" / "train"), target) for n in (1, 2)]
   for a, b in zip(*(jax.tree.leaves(nnx.state(d, nnx.Param)) for d in drafts)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
+
+
+_DISTILL = """
+from layerwave.data import distill
+from tests import configs
+config = configs.load("smoke")
+config.model, config.distributed = ARGS[0], True
+try:
+  distill.run(config, os.path.join(ARGS[1], "distill"))
+  write_result("ran")
+except ValueError as e:
+  write_result(str(e))
+"""
+
+
+def test_a_single_process_stage_refuses_two_processes_before_it_starts(tiny_chat_target_dir, tmp_path):
+  errors = _stage(_DISTILL, tmp_path, "distill", tiny_chat_target_dir, num_processes=2)
+  assert all("Distillation runs in one JAX process, not 2" in e for e in errors), errors
+  assert not (tmp_path / "distill-2" / "distill").exists()

@@ -735,6 +735,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   options = options_lib.from_section(DistillOptions, config.distill, "distill",
                                      chat_format=config.data.chat_format)
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.require_single_process("Distillation")
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   manifest = distill(target, options, workdir, model=config.model)
