@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 import layerwave
+from layerwave.training import features
 
 
 from tests import multihost
@@ -96,3 +97,25 @@ def test_a_single_process_stage_refuses_two_processes_before_it_starts(tiny_chat
   errors = _stage(_DISTILL, tmp_path, "distill", tiny_chat_target_dir, num_processes=2)
   assert all("Distillation runs in one JAX process, not 2" in e for e in errors), errors
   assert not (tmp_path / "distill-2" / "distill").exists()
+
+
+_OFFLINE = _TRAIN.replace("out = loop.run", """from layerwave.training.features import extraction
+config.features.dir = os.path.join(ARGS[1], "store")
+extraction.run(config)
+config.train.features = config.features.dir
+out = loop.run""")
+
+
+def test_extraction_and_offline_training_in_two_processes_equal_one(tiny_chat_target_dir, tmp_path):
+  one, = _stage(_OFFLINE, tmp_path, "offline", tiny_chat_target_dir, num_processes=1)
+  two = _stage(_OFFLINE, tmp_path, "offline", tiny_chat_target_dir, num_processes=2)
+  assert one["step"] == 4 and two[0] == two[1] and one["heldout_loss"] > 0
+  for key in set(one) - {"step"}:
+    np.testing.assert_allclose(two[0][key], one[key], rtol=2e-4, atol=1e-5, err_msg=key)
+  stores = [features.open_store(str(tmp_path / f"offline-{n}" / "store")) for n in (1, 2)]
+  assert stores[0].counts("train") == stores[1].counts("train")
+  a, b = stores[0].split("train"), stores[1].split("train")
+  np.testing.assert_array_equal(a.dataset_index, b.dataset_index)
+  for i in range(len(a)):
+    for key in ("hidden", "final", "argmax", "input_ids"):
+      np.testing.assert_allclose(np.asarray(b[i][key]), np.asarray(a[i][key]), atol=1e-5)
