@@ -14,6 +14,7 @@ import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before num
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
@@ -27,6 +28,22 @@ _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Target compute d
 _STEPS = flags.DEFINE_integer("steps", 16, "Decode steps per jitted chunk.")
 _READ = flags.DEFINE_integer("read_slots", 256, "Cache slots attention reads.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed chunks (median).")
+_DOTS = flags.DEFINE_bool("dots", True, "Also time the decode step's float32 dot shapes alone (GFLOP/s).")
+
+
+def _time_dots(rows: int) -> None:
+  """The dots of one decode step at `rows` rows, jitted one at a time: XLA:CPU's throughput at those shapes."""
+  for m, k, n in ((rows, 576, 49152), (rows, 576, 1536), (rows, 1536, 576), (512, 576, 1536)):
+    a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    times = []
+    for _ in range(20):
+      tic = time.perf_counter()
+      f(a, b).block_until_ready()
+      times.append(time.perf_counter() - tic)
+    t = float(np.median(times))
+    print(f"dot [{m}, {k}] x [{k}, {n}]: {t * 1e3:.2f} ms, {2 * m * k * n / t / 1e9:.1f} GFLOP/s", flush=True)
 
 
 def main(argv):
@@ -50,6 +67,8 @@ def main(argv):
         times.append(time.perf_counter() - tic)
       ms = 1000 * float(np.median(times)) / _STEPS.value
       print(f"{dtype} slots {slots}: {ms:.1f} ms/step, {slots / ms * 1000:.0f} row-tokens/s", flush=True)
+  if _DOTS.value:
+    _time_dots(max(map(int, _SLOTS.value)))
 
 
 if __name__ == "__main__":
