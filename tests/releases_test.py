@@ -42,3 +42,28 @@ def test_released_answers_rebuild_their_distilled_conversations(directory, tmp_p
     with open(path, encoding="utf-8") as f:
       ids += json.load(f)["ids"]
   assert ids == [p.record.id for p in prompts]
+
+
+def _drafts():
+  from layerwave.training import release as draft_release  # pylint: disable=g-import-not-at-top
+  return [os.path.join(ROOT, "releases", n) for n in sorted(os.listdir(os.path.join(ROOT, "releases")))
+          if draft_release.is_release_dir(os.path.join(ROOT, "releases", n))] if os.path.isdir(
+              os.path.join(ROOT, "releases")) else []
+
+
+@pytest.mark.parametrize("directory", _drafts(), ids=os.path.basename)
+def test_released_drafts_load_by_name_and_decode_as_plain_greedy(directory):
+  """Checksums and target verified on load; on MT-bench prompts, greedy speculative decoding with the released
+  draft equals plain decoding, and the draft accepts more than one token per verification."""
+  import layerwave  # pylint: disable=g-import-not-at-top
+  from layerwave.speculative import evaluate  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(directory, release.MANIFEST), encoding="utf-8") as f:
+    manifest = json.load(f)
+  target = layerwave.load_target(manifest["target"]["model"])
+  draft = layerwave.load_draft(os.path.basename(directory), target)
+  assert list(draft.config.layer_ids) == manifest["layer_ids"]
+  prompts = [ids for _, ids in evaluate.chat_prompts(target.tokenizer, "mtbench", 2, 256)]
+  plain = layerwave.generate(target, prompts, 48)
+  spec, stats = layerwave.speculative.generate(target, draft, prompts, 48, num_draft_tokens=3)
+  assert [list(map(int, r)) for r in spec] == [list(map(int, r)) for r in plain]
+  assert stats["tau"] > 1.2

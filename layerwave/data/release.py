@@ -139,24 +139,26 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
   return manifest
 
 
-def _read_manifest(release_dir: str) -> dict[str, Any]:
+def _read_manifest(release_dir: str, fmt: str = FORMAT) -> dict[str, Any]:
   path = os.path.join(release_dir, MANIFEST)
   if not os.path.isfile(path):
-    raise ReleaseError(f"{release_dir} has no {MANIFEST}: not a release of distilled answers.")
+    raise ReleaseError(f"{release_dir} has no {MANIFEST}: not a release ({fmt}).")
   with open(path, encoding="utf-8") as f:
     manifest = json.load(f)
-  if manifest.get("format") != FORMAT:
-    raise ReleaseError(f"{path} is not a distilled-answers release (format {manifest.get('format')!r}).")
+  if manifest.get("format") != fmt:
+    raise ReleaseError(f"{path} is not a {fmt} release (format {manifest.get('format')!r}).")
   return manifest
 
 
-def verify(release_dir: str) -> dict[str, Any]:
+def verify(release_dir: str, fmt: str = FORMAT) -> dict[str, Any]:
   """Checks every file of the release against its manifest's SHA-256; returns the manifest.
+
+  `fmt` is the manifest's expected format (distilled answers by default; drafts use this check too).
 
   Raises:
     ReleaseError: a file is missing, altered, or not listed.
   """
-  manifest = _read_manifest(release_dir)
+  manifest = _read_manifest(release_dir, fmt)
   listed = manifest["sha256"]
   present = {os.path.basename(p) for p in glob.glob(os.path.join(release_dir, "*")) if os.path.basename(p) != MANIFEST}
   for name in sorted(set(listed) | present):

@@ -25,6 +25,7 @@ from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import release as release_lib
 from layerwave.training import step as step_lib
 
 __all__ = ["abstract_state", "checkpoint_dir", "export_workdir", "load_draft", "restore_state"]
@@ -72,7 +73,8 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
 
   Args:
     path: a training workdir (its latest checkpoint, or `step`) or its `checkpoints` directory; or an
-      EAGLE-3 Hugging Face directory (`layerwave.export_eagle3`'s output or a published draft).
+      EAGLE-3 Hugging Face directory (`layerwave.export_eagle3`'s output or a published draft); or the short
+      name of a release under `releases/` (`layerwave.training.release`), verified before it loads.
     target: the target the draft was trained for (its embedding is shared, its shape is checked).
     step: a specific checkpoint step; default the latest (workdirs only).
 
@@ -83,6 +85,10 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
     FileNotFoundError: no checkpoint under `path`.
     ValueError: the draft was trained for another target (L, D, V) or its layer ids do not fit it.
   """
+  released = release_lib.resolve(path)  # a short name: releases/<name>
+  if released is not None or release_lib.is_release_dir(path):
+    path = released or path
+    release_lib.verify_for(path, target)  # checksums and target, before anything loads
   if eagle3.is_eagle3_dir(path):
     if step is not None:
       raise ValueError(f"{path} is an EAGLE-3 directory (one set of weights); step={step} applies only "

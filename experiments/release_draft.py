@@ -1,0 +1,68 @@
+"""Release a trained draft under releases/: an EAGLE-3 directory (bf16) with a manifest, loadable by name.
+
+  python experiments/release_draft.py --draft=out/campaign/draft --name=smollm2-135m-instruct-eagle3 \
+      --data=out/campaign/distilled/manifest.json --metrics=out/campaign/eval.json \
+      --commands="make campaign-distill" --commands="make campaign-train"
+
+Loads the target the draft's checkpoint recorded, exports the draft (`layerwave.export.export_eagle3`, weights
+in --dtype) and writes MANIFEST.json (layer ids, target fingerprint, data, commands, held-out sim τ from the
+workdir's last evaluation plus --metrics, SHA-256 of every file); see `layerwave/training/release.py`. Then
+`layerwave.load_draft(NAME, target)` and `--config.draft=NAME` load it. A release is replaced only with
+--overwrite (a better draft).
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+
+from layerwave import checkpoint as ckpt_lib
+from layerwave import selection as selection_lib
+from layerwave.inference import load_target
+from layerwave.training import curves
+from layerwave.training import release
+from layerwave.training import restore
+
+_DRAFT = flags.DEFINE_string("draft", None, "Training workdir of the draft.", required=True)
+_NAME = flags.DEFINE_string("name", None, "Release name (a folder under releases/).", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Tensor dtype on disk.")
+_DATA = flags.DEFINE_string("data", None, "The distilled workdir's manifest.json (its fingerprint and counts).")
+_METRICS = flags.DEFINE_string("metrics", None, "A JSON file of measured results (evaluation table).")
+_COMMANDS = flags.DEFINE_multi_string("commands", [], "The commands that produced the draft.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing release (only with a better draft).")
+
+
+def main(argv):
+  del argv
+  ckpt = ckpt_lib.Checkpointer(restore.checkpoint_dir(_DRAFT.value))
+  try:
+    meta = ckpt.read_meta()
+  finally:
+    ckpt.close()
+  model = (meta.get("config") or {}).get("model")
+  if not model:
+    raise ValueError(f"{_DRAFT.value} does not record its target model.")
+  target = load_target(model)
+  draft = restore.load_draft(_DRAFT.value, target)
+  points = curves.read_curve(_DRAFT.value)
+  metrics = {"heldout_sim_tau": points[-1].sim_tau if points else None, "step": meta.get("step"),
+             "tokens_trained": meta.get("tokens_trained")}
+  if _METRICS.value:
+    with open(_METRICS.value, encoding="utf-8") as f:
+      metrics["evaluation"] = json.load(f)
+  data = {"selection": meta.get("selection"), "dataset": meta.get("dataset")}
+  if _DATA.value:
+    with open(_DATA.value, encoding="utf-8") as f:
+      distilled = json.load(f)
+    data["distilled"] = {k: distilled.get(k) for k in ("dataset", "fingerprint", "output", "prompts")}
+  out = os.path.join(release.releases_root(), _NAME.value)
+  manifest = release.write(draft, target, out, model=model,
+                           selection=selection_lib.LayerSelection.from_dict(meta["selection"]),
+                           dtype=_DTYPE.value, commands=_COMMANDS.value, data=data, metrics=metrics,
+                           overwrite=_OVERWRITE.value)
+  print(json.dumps({"release": out, "layer_ids": manifest["layer_ids"], "files": manifest["sha256"]}, indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)
