@@ -246,10 +246,18 @@ def _load_tokenizer(path: str):
   return transformers.AutoTokenizer.from_pretrained(path)
 
 
+def cache_spec(config: ModelConfig, mesh: Mesh) -> jax.sharding.PartitionSpec:
+  """The KV cache's `[B, S, G, Dh]` layout: batch over `'data'`; KV heads over `'model'` when they divide it,
+  as the k/v projections split their heads there, so each device keeps only the heads it computes."""
+  model = mesh.shape.get("model", 1)
+  heads = "model" if model > 1 and config.num_kv_heads % model == 0 else None
+  return jax.sharding.PartitionSpec("data", None, heads, None)
+
+
 def new_cache(config: ModelConfig, batch: int, slots: int, dtype, mesh: Mesh) -> KVCache:
-  """A zero cache placed with its batch axis over `'data'` (call inside jit)."""
+  """A zero cache placed as `cache_spec` says (call inside jit)."""
   cache = KVCache.zeros(config, batch, slots, dtype)
-  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  spec = jax.sharding.NamedSharding(mesh, cache_spec(config, mesh))
   return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), cache)
 
 

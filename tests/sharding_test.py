@@ -20,6 +20,10 @@ SCRIPT = """
                           hidden=np.asarray(o.hidden_states).tolist(),
                           gen=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 3, 6),
                           cont=layerwave.generate(t, [[5, 6, 7], [9, 10]] * 5, 6, slots=8 if name == "data8" else 4))
+      from layerwave import inference
+      import jax.numpy as jnp
+      cache = jax.jit(lambda: inference.new_cache(t.config, 8, 64, jnp.float32, t.mesh))()
+      result[name]["cache_spec"] = list(cache.keys[0].sharding.spec) + [None] * (4 - len(cache.keys[0].sharding.spec))
       try:
         layerwave.continuous.Engine(t, 3, 6, 8)
       except ValueError as e:
@@ -42,6 +46,9 @@ def test_eight_devices_match_one(tmp_path):
     assert result[name]["gen"] == gen
     assert result[name]["cont"] == gen[:2] * 5  # continuous batching over the data axis, rows refilled
     assert "not a multiple of the mesh's data axis" in result[name]["slots_error"]
+  # The cache's KV heads (2) follow the k/v projections over 'model'.
+  assert result["data4_model2"]["cache_spec"] == ["data", None, "model", None]
+  assert result["data8"]["cache_spec"] == ["data", None, None, None]
 
 
 def test_mesh_errors():
