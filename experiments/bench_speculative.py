@@ -54,7 +54,8 @@ def main(argv):
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
   results = []
   for dataset in _DATASETS.value:
-    items = evaluate.chat_prompts(target.tokenizer, dataset, counts.get(dataset, int(s.num_prompts)))
+    items = evaluate.chat_prompts(target.tokenizer, dataset, counts.get(dataset, int(s.num_prompts)),
+                                  chat_format=str(config.data.chat_format))
     for temp in (float(t) for t in _TEMPS.value):
       for method in _METHODS.value:
         settings = dataclasses.replace(base, temperature=temp, auto=method == "auto")

@@ -76,7 +76,8 @@ def main(argv):
   results = {}
   for name in _DATASETS.value:
     records = sources.get_source(name, limit=_NUM_PROMPTS.value)
-    prompts = [chat.encode_prompt(target.tokenizer, r.messages[:1]).tolist() for r in records]
+    prompts = [chat.encode_prompt(target.tokenizer, r.messages[:1], chat_format=str(config.data.chat_format)).tolist()
+               for r in records]
     results[name] = check_dataset(target, draft, prompts, k, max_new, int(s.batch_size))
   print(f"\nK = {k}, {max_new} new tokens per prompt, greedy; draft {config.draft}\n")
   print("| dataset | prompts | verifications | mismatched | loop τ | positional τ | marginal (sim) τ |"

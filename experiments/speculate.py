@@ -41,12 +41,12 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   s = config.speculate
   settings = evaluate.DecodeSettings.from_config(s)
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
-  if target.tokenizer is None or target.tokenizer.chat_template is None:
-    raise ValueError(f"{config.model} has no tokenizer chat template; cannot build chat prompts.")
+  chat_format = str(config.data.chat_format)
+  evaluate.check_chat_format(target.tokenizer, chat_format)
   draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
-  items = (evaluate.question_prompt(target.tokenizer, prompt) if prompt else
-           evaluate.chat_prompts(target.tokenizer, s.dataset, int(s.num_prompts)))
+  items = (evaluate.question_prompt(target.tokenizer, prompt, chat_format) if prompt else
+           evaluate.chat_prompts(target.tokenizer, s.dataset, int(s.num_prompts), chat_format=chat_format))
   ev = evaluate.evaluate(target, draft, [p for _, p in items], settings, int(config.seed), bool(s.compare_ar))
   summary = evaluate.summary(ev)
   atomic.write_json(os.path.join(workdir, "spec_metrics.json"),

@@ -354,10 +354,12 @@ def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.Config
 # -- evaluation --------------------------------------------------------------------------------------
 
 
-def eval_prompts(compare: CompareOptions, tokenizer) -> dict[str, list[list[int]]]:
-  """Held-out chat prompts per dataset: the first `num_prompts` first turns of ≤ max_prompt_tokens."""
+def eval_prompts(compare: CompareOptions, tokenizer, chat_format: str = "template") -> dict[str, list[list[int]]]:
+  """Held-out prompts per dataset, in `data.chat_format`: the first `num_prompts` first turns of ≤
+  max_prompt_tokens."""
   return {name: [ids for _, ids in evaluate_lib.chat_prompts(tokenizer, name, compare.num_prompts,
-                                                              compare.max_prompt_tokens, section="compare")]
+                                                              compare.max_prompt_tokens, section="compare",
+                                                              chat_format=chat_format)]
           for name in compare.datasets}
 
 
@@ -425,7 +427,7 @@ def run(config, workdir: str) -> dict[str, Any]:
                "\n".join(f"  {s.name:14s} {list(s.ids)}  objective {s.objective:+.3f}  ({s.description})"
                          for s in sets))
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
-  prompts = eval_prompts(cmp, target.tokenizer)
+  prompts = eval_prompts(cmp, target.tokenizer, str(config.data.chat_format))
   settings = evaluate_lib.DecodeSettings.from_config(
       config.speculate, max_new_tokens=cmp.max_new_tokens,
       prompt_width=max(len(p) for ps in prompts.values() for p in ps))

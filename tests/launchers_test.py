@@ -38,3 +38,29 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
     (row,) = json.load(f)["results"]
   assert row["tau"] >= 1.0 and "speedup" not in row and "equal_to_ar" not in row
   assert "| gsm8k | 0 | chain2 |" in out.stdout and "| – | – | – |" in out.stdout
+
+
+def test_speculate_honours_plain_chat_format_on_a_gemma_base_model(tmp_path):
+  """Gemma-3-270M's real tokenizer has no chat template: prompts are rendered as plain text, as its drafts
+  are trained (`data.chat_format=plain`); the template format is refused with the fix named."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  hf_reference = pytest.importorskip("tests.models.hf_reference")
+  import transformers  # pylint: disable=g-import-not-at-top
+  from layerwave.speculative import evaluate  # pylint: disable=g-import-not-at-top
+  gemma = hf_reference.save_tiny_gemma_with_real_tokenizer(str(tmp_path / "gemma"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(gemma)
+  (rid, ids), = evaluate.chat_prompts(tokenizer, "mtbench", 1, chat_format="plain")
+  assert tokenizer.decode(ids).startswith("<bos>User: ") and tokenizer.decode(ids).endswith("\n\nAssistant:")
+  with pytest.raises(ValueError, match="no chat template.*chat_format=plain"):
+    evaluate.chat_prompts(tokenizer, "mtbench", 1)
+  common = ["--config.model=" + gemma, "--config.draft=random", "--config.layers=1,2,3",
+            "--config.data.chat_format=plain", "--config.speculate.max_new_tokens=8",
+            "--config.speculate.timing_repeats=1"]
+  _run("speculate.py", *common, "--workdir=" + str(tmp_path / "spec"))
+  with open(tmp_path / "spec" / "spec_metrics.json") as f:
+    spec = json.load(f)["spec"]
+  assert spec["prompts"] == 2 and spec["equal_to_ar"] == 1.0 and spec["tau"] >= 1.0
+  failed = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "speculate.py"), CONFIG,
+                           *common[:3], "--workdir=" + str(tmp_path / "refused")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+  assert failed.returncode != 0 and "chat_format=plain" in failed.stderr

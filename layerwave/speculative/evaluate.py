@@ -31,7 +31,7 @@ from layerwave.speculative import tuner
 from layerwave.speculative.decode import generate as speculative_generate
 from layerwave.training import restore
 
-__all__ = ["DATASETS", "DecodeSettings", "Evaluation", "acceptance_row", "chat_prompts", "decode_fns",
+__all__ = ["DATASETS", "DecodeSettings", "Evaluation", "acceptance_row", "chat_prompts", "check_chat_format", "decode_fns",
            "evaluate", "load_draft", "question_prompt", "speedup_cell", "summary", "table"]
 
 # Held-out prompt sets (first user turns).
@@ -58,29 +58,45 @@ def load_draft(path: str, target, layers: Sequence[int] = (), draft_vocab_size: 
   return Draft(dcfg, embedding=target.params["embed_tokens"]["embedding"][...], rngs=nnx.Rngs(seed))
 
 
+def check_chat_format(tokenizer, chat_format: str) -> None:
+  """Prompts in `chat_format` need a tokenizer (and, for "template", its chat template)."""
+  if chat_format not in chat.CHAT_FORMATS:
+    raise ValueError(f"Unknown data.chat_format {chat_format!r}; choose one of {', '.join(chat.CHAT_FORMATS)}.")
+  if tokenizer is None:
+    raise ValueError("The target has no tokenizer; prompts cannot be tokenised.")
+  if chat_format == "template" and tokenizer.chat_template is None:
+    raise ValueError("The target's tokenizer has no chat template (a base model); prompt it as plain text "
+                     "with --config.data.chat_format=plain, as its draft was trained.")
+
+
 def chat_prompts(tokenizer, dataset: str, num_prompts: int = 0, max_prompt_tokens: int = 0, *,
-                 section: str = "speculate") -> list[tuple[str, list[int]]]:
-  """(record id, token ids) of the chat-templated first user turn of `dataset`'s prompts.
+                 section: str = "speculate", chat_format: str = "template") -> list[tuple[str, list[int]]]:
+  """(record id, token ids) of the first user turn of `dataset`'s prompts, as the draft's data was written.
 
   Args:
-    tokenizer: the target's tokenizer (with a chat template).
+    tokenizer: the target's tokenizer.
     dataset: one of `DATASETS`.
     num_prompts: how many (0 = all).
     max_prompt_tokens: skip prompts longer than this (0 = keep all); then fewer than `num_prompts` left
       is an error.
     section: the config section the counts come from, named in errors.
+    chat_format: `data.chat_format`: "template" (the tokenizer's chat template, generation prompt added) or
+      "plain" ("User: ...\n\nAssistant:", for base models), as `chat.encode_prompt`.
 
   Raises:
-    ValueError: an unknown dataset, or too few prompts short enough.
+    ValueError: an unknown dataset or format, a template format without a template, or too few prompts
+      short enough.
   """
   if dataset not in DATASETS:
     raise ValueError(f"Unknown prompt set {dataset!r}; held-out prompt sets are {', '.join(DATASETS)}.")
+  check_chat_format(tokenizer, chat_format)
+  encode = lambda messages: chat.encode_prompt(tokenizer, messages, chat_format=chat_format).tolist()  # noqa: E731
   if not max_prompt_tokens:
     records = sources.get_source(dataset, limit=num_prompts or None)
-    return [(r.id, chat.encode_prompt(tokenizer, r.messages[:1]).tolist()) for r in records]
+    return [(r.id, encode(r.messages[:1])) for r in records]
   out = []
   for record in sources.get_source(dataset):
-    ids = chat.encode_prompt(tokenizer, record.messages[:1]).tolist()
+    ids = encode(record.messages[:1])
     if len(ids) <= max_prompt_tokens:
       out.append((record.id, ids))
     if len(out) == num_prompts:
@@ -91,10 +107,11 @@ def chat_prompts(tokenizer, dataset: str, num_prompts: int = 0, max_prompt_token
   return out
 
 
-def question_prompt(tokenizer, text: str) -> list[tuple[str, list[int]]]:
-  """One question as a chat-templated prompt, in `chat_prompts`' format."""
+def question_prompt(tokenizer, text: str, chat_format: str = "template") -> list[tuple[str, list[int]]]:
+  """One question as a prompt in `chat_format`, in `chat_prompts`' format."""
+  check_chat_format(tokenizer, chat_format)
   record = sources.Record(id="prompt", source="prompt", messages=({"role": "user", "content": text},))
-  return [(record.id, chat.encode_prompt(tokenizer, record.messages).tolist())]
+  return [(record.id, chat.encode_prompt(tokenizer, record.messages, chat_format=chat_format).tolist())]
 
 
 @dataclasses.dataclass(frozen=True)
