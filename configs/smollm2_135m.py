@@ -124,6 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 8  # global; divisible by the mesh's data axis
   c.train.num_steps = 1500
+  c.train.schedule_steps = 0  # the LR schedule's length (0 = num_steps); fixed for a run: resuming checks it
   c.train.stop_after = 0  # stop after this many steps of this invocation (preemption drills); 0 = off
   c.train.lr = 3e-4
   c.train.warmup_steps = 50

@@ -321,6 +321,12 @@ def run(config, workdir: str) -> dict[str, Any]:
       raise ValueError(f"{workdir} holds a run trained {_source_name(meta.get('feature_store'))}, but this run "
                        f"reads {_source_name(store_id)}; resume with the same train.features or use a new "
                        "--workdir.")
+    started = meta.get("schedule_steps")  # absent in checkpoints older than this check
+    if started is not None and int(started) != t.schedule_length:
+      raise ValueError(f"{workdir} started with a {started}-step learning-rate schedule; this run's is "
+                       f"{t.schedule_length} steps (train.num_steps={t.num_steps}, train.schedule_steps="
+                       f"{t.schedule_steps}), which would change the schedule mid-run. To train on past its end "
+                       f"keep it: --config.train.schedule_steps={started}; or use a new --workdir.")
     draft = restore.abstract_draft(DraftConfig.from_dict(meta["draft_config"]))
   else:
     draft = new_draft(model, t, seed, target, record, train_source)
@@ -338,7 +344,8 @@ def run(config, workdir: str) -> dict[str, Any]:
     position = data_lib.Position.from_dict(meta["data_position"])
     logging.info("Resumed from step %d (data position %s).", int(state.step), position)
   embed = _replicate(embed, mesh)
-  base_meta = {"config_fingerprint": fingerprint, "draft_config": draft.config.to_dict(),
+  base_meta = {"config_fingerprint": fingerprint, "schedule_steps": t.schedule_length,
+               "draft_config": draft.config.to_dict(),
                "selection": record.to_dict(), "dataset": dataset_name,
                "config": json.loads(config.to_json_best_effort())}
   pad_id = int(target.tokenizer.pad_token_id or 0)

@@ -49,7 +49,11 @@ class TrainOptions:
 
   Attributes:
     batch_size: global batch (divisible by the mesh's data axis).
-    num_steps: total steps; the cosine decay ends here.
+    num_steps: total steps; the cosine decay ends here unless `schedule_steps` is set.
+    schedule_steps: the learning-rate schedule's length (0 = `num_steps`). A run resumes only with the
+      schedule it started with (checked against its checkpoint): to train past a finished run's end, keep
+      its schedule with `schedule_steps` = its old `num_steps` (the extra steps run at the schedule's end
+      value) or start a new workdir.
     stop_after: stop after this many steps of this invocation (preemption drills); 0 = off.
     lr, warmup_steps, b1, b2, weight_decay, clip_norm: AdamW with warmup and cosine decay, clipped.
     ttt_steps: K unrolled training-time-test steps.
@@ -72,11 +76,12 @@ class TrainOptions:
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
-  RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches",
+  RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "schedule_steps", "stop_after", "log_every", "eval_every", "eval_batches",
                                           "eval_ttt_steps", "eval_features", "checkpoint_every")
 
   batch_size: int
   num_steps: int
+  schedule_steps: int = 0
   stop_after: int = 0
   lr: float = 3e-4
   warmup_steps: int = 50
@@ -102,14 +107,14 @@ class TrainOptions:
   # Fields added after workdirs existed: left out of fingerprints while they hold these defaults, so those
   # workdirs still resume.
   LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0,
-                                   "eval_features": "", "bucket_widths": ()}
+                                   "eval_features": "", "bucket_widths": (), "schedule_steps": 0}
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
                  "checkpoint_every"):
       value = getattr(self, name)
       _require(value >= 1, f"train.{name} must be >= 1, got {value}; set --config.train.{name}=N with N >= 1.")
-    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay", "eval_ttt_steps"):
+    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay", "eval_ttt_steps", "schedule_steps"):
       value = getattr(self, name)
       _require(value >= 0, f"train.{name} must be >= 0, got {value}; set --config.train.{name}=0 to turn it "
                "off.")
@@ -142,9 +147,14 @@ class TrainOptions:
   @property
   def optimizer(self) -> step_lib.OptimizerSettings:
     """The optimizer's hyperparameters (a static argument of `train_step`)."""
-    return step_lib.OptimizerSettings(self.lr, self.warmup_steps, self.num_steps, clip_norm=self.clip_norm,
+    return step_lib.OptimizerSettings(self.lr, self.warmup_steps, self.schedule_length, clip_norm=self.clip_norm,
                                       b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
                                       end_lr_fraction=self.end_lr_fraction, freeze_head=self.freeze_head)
+
+  @property
+  def schedule_length(self) -> int:
+    """The steps the learning-rate schedule spans (checked on resume: it must not change mid-run)."""
+    return self.schedule_steps or self.num_steps
 
   @property
   def loss_kwargs(self) -> dict:

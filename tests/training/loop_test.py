@@ -52,8 +52,22 @@ def test_eval_depth_is_set_apart_from_the_training_depth(tiny_config, tmp_path):
   result = loop.run(tiny_config, str(tmp_path))
   assert len(result["heldout_acc"]) == 4
   tiny_config.train.num_steps = 6  # eval_ttt_steps is an evaluation setting: the run resumes with another
+  tiny_config.train.schedule_steps = 4  # (and trains on past its 4-step schedule's end)
   tiny_config.train.eval_ttt_steps = 0
   assert len(loop.run(tiny_config, str(tmp_path))["heldout_acc"]) == 2
+
+
+def test_resuming_with_another_schedule_length_is_refused(tiny_config, tmp_path):
+  tiny_config.train.num_steps = 2
+  loop.run(tiny_config, str(tmp_path))
+  tiny_config.train.num_steps = 4  # a longer cosine schedule would change the learning rate mid-run
+  with pytest.raises(ValueError, match=r"started with a 2-step learning-rate schedule.*schedule_steps=2"):
+    loop.run(tiny_config, str(tmp_path))
+  tiny_config.train.schedule_steps = 3  # any other length too
+  with pytest.raises(ValueError, match="2-step learning-rate schedule; this run's is 3 steps"):
+    loop.run(tiny_config, str(tmp_path))
+  tiny_config.train.schedule_steps = 2  # kept: steps 3 and 4 run at the schedule's end value
+  assert loop.run(tiny_config, str(tmp_path))["step"] == 4
 
 
 def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):
@@ -106,6 +120,7 @@ def test_a_workdir_with_the_legacy_fingerprint_resumes(tiny_config, tmp_path):
   with open(meta_path) as f:
     meta = json.load(f)
   meta["config_fingerprint"] = legacy
+  del meta["schedule_steps"]  # recorded since the schedule check: older workdirs resume without it
   with open(meta_path, "w") as f:
     json.dump(meta, f)
   ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
