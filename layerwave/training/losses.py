@@ -8,10 +8,11 @@ cross-entropy. Positions whose target argmax lies outside the draft vocabulary, 
 non-assistant tokens are masked from the loss. Total = Σ_j decay^j L_j.
 
 The loss takes those targets ready-made, `[B, T, V_d]` log-probs and a `[B, T]` in-vocabulary mask, from
-one of two places: `target_targets` reads them off the target's full logits (the online step, target in the
-step); `offline_targets` recomputes them from a feature store's final-norm hidden states h_L, the target's
-LM-head rows of the draft vocabulary and the stored full-vocabulary argmax (the offline step, no target).
-Both give the same numbers: the restricted logits are h_L @ head[:, draft ids] either way.
+one computation: `offline_targets` builds them from the final-norm hidden states h_L, the target's LM-head
+rows of the draft vocabulary and the full-vocabulary argmax. The offline step reads those from a feature
+store; the online step (`online_targets`) computes the same three from the target in the step, the argmax a
+block of positions at a time as extraction does, so offline == online holds by construction.
+`target_targets` reads them off the full `[B, T, V]` logits: the reference both are tested against.
 
 The accuracy `acc_j` counts every predictable position, and a position whose target argmax is outside the
 draft vocabulary as a miss: such a token can never be drafted, so it can never be accepted (as EAGLE-3 and
@@ -26,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from layerwave.inference import LOGITS_CHUNK, over_positions
 from layerwave.models.draft import Draft
 
 
@@ -79,6 +81,30 @@ def offline_targets(final_hidden: jax.Array, head_rows: jax.Array, target_argmax
                        preferred_element_type=jnp.float32)
   in_vocab = jnp.take(draft.t2d[...], target_argmax)
   return jax.nn.log_softmax(restricted.astype(jnp.float32), axis=-1), in_vocab
+
+
+def head_rows(target, draft: Draft) -> jax.Array:
+  """`[D, V_d]` the target's LM head restricted to the draft vocabulary (the transposed embedding when tied)."""
+  ids = draft.draft_token_ids()
+  if target.lm_head is None:
+    return jnp.take(target.embed_tokens.embedding[...], ids, axis=0).T
+  return jnp.take(target.lm_head.kernel[...], ids, axis=1)
+
+
+def online_targets(target, final_hidden: jax.Array, draft: Draft,
+                   chunk: int = LOGITS_CHUNK) -> tuple[jax.Array, jax.Array]:
+  """`offline_targets` with what a feature store holds computed here, so online and offline training share
+  one path: the top-1 of h_L over the full vocabulary, `chunk` positions at a time (as extraction stores it;
+  never the `[B, T, V]` logits), and the LM head's draft-vocabulary columns.
+
+  Args:
+    target: the target `Transformer` (merged, inside a transform).
+    final_hidden: `[B, T, D]` its final-norm hidden states h_L.
+    draft: the draft (its vocabulary tables).
+    chunk: positions whose full-vocabulary logits exist at once.
+  """
+  top1 = over_positions(final_hidden, lambda h: argmax(target.logits(h)).astype(jnp.int32), chunk)
+  return offline_targets(final_hidden, head_rows(target, draft), top1, draft)
 
 
 def _shift(x: jax.Array, by: jax.Array, length: int) -> jax.Array:

@@ -112,11 +112,12 @@ def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_param
   target = nnx.merge(target_graphdef, target_params)
   positions = jnp.maximum(jnp.cumsum(attn, axis=-1) - 1, 0)
   out = target(tokens, positions, causal_mask(attn), return_hidden_states=True,
-               hidden_layers=draft.config.layer_ids)
+               hidden_layers=draft.config.layer_ids, compute_logits=False)
   features = jax.lax.stop_gradient(out.hidden_states)
-  logits = jax.lax.stop_gradient(out.logits)
+  final = jax.lax.stop_gradient(out.last_hidden).astype(jnp.float32)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
-  logp, in_vocab = losses.target_targets(logits, draft)
+  # The offline step's targets, from the fields a feature store would hold (one path: offline == online).
+  logp, in_vocab = losses.online_targets(target, final, draft)
   return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
                          decay=decay)
 

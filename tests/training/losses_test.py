@@ -109,6 +109,10 @@ def test_offline_targets_equal_the_targets_of_the_full_logits():
   np.testing.assert_allclose(np.asarray(offline[0]), np.asarray(online[0]), atol=1e-5)
   np.testing.assert_array_equal(np.asarray(offline[1]), np.asarray(online[1]))
   assert 0 < int(online[1].sum()) < online[1].size  # both in- and out-of-vocabulary argmaxes occur
+  # The online step's path: the same targets from h_L alone, the argmax 4 positions at a time.
+  computed = losses.online_targets(target, out.last_hidden, draft, chunk=4)
+  np.testing.assert_allclose(np.asarray(computed[0]), np.asarray(online[0]), atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(computed[1]), np.asarray(online[1]))
 
 
 def test_blocked_argmax_equals_jnp_argmax_ties_nan_and_infinities_included():
