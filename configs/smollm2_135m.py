@@ -80,7 +80,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.exclude_min_chars = 40  # containment (either way) counts from this length; equality always
 
   # -- analysis (experiments/analyze.py) -----------------------------------------------------------
-  # shared/METHOD.md §2-§6; reads `data` for the sequences (`data.max_length` tokens each).
+  # docs/METHOD.md §2-§6; reads `data` for the sequences (`data.max_length` tokens each).
   c.analysis = ml_collections.ConfigDict()
   c.analysis.split = "train"
   c.analysis.batch_size = 8  # sequences per batch (divisible by the mesh's 'data' axis)

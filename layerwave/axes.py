@@ -10,7 +10,7 @@ Target and draft models
        prefill, one decoding step, or a verification: the pending token plus N drafted nodes, T = N + 1).
   P    prompt width: the padded length of a batch of prompts.
   S    cache slots: the positions a KV cache holds.
-  L    target layers: decoder blocks of the target. Hidden states stack L + 1 depths (shared/METHOD.md §1):
+  L    target layers: decoder blocks of the target. Hidden states stack L + 1 depths (docs/METHOD.md §1):
        0 = the embedding output, i = the output of block i - 1, L = the final norm's output.
   L1   hidden-state depths: L + 1, as one name where a shape needs it (the analysis accumulators).
   D    target width: the target's hidden size.

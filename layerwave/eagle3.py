@@ -4,7 +4,7 @@ Place in the pipeline: the boundary with the serving engines. A directory holds 
 (`LlamaForCausalLMEagle3`) and `model.safetensors` with the published tensor names (`fc`, `midlayer.*`,
 `norm`, `lm_head`, `d2t`, `t2d`); `layerwave.export` writes one, `load_eagle3` reads one (ours, or an
 official one without our `layerwave` block) for `target`. These two modules are the only places where layer
-ids change convention (shared/METHOD.md §1).
+ids change convention (docs/METHOD.md §1).
 
 Layer-id conventions at this boundary, read from the engines' source:
 

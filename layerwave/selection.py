@@ -1,4 +1,4 @@
-"""Layer selection: statistics → the target layers an EAGLE-3 draft reads (shared/METHOD.md §1, §5).
+"""Layer selection: statistics → the target layers an EAGLE-3 draft reads (docs/METHOD.md §1, §5).
 
 Place in the pipeline: `LayerStats` (per-layer informativeness E [L+1], pairwise CKA C [L+1, L+1]) →
 `select_layers` → a `LayerSelection` record saved as JSON, carried into every draft checkpoint and export, and

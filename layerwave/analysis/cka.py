@@ -1,4 +1,4 @@
-"""Linear CKA between layers — diversity (shared/METHOD.md §4).
+"""Linear CKA between layers — diversity (docs/METHOD.md §4).
 
 Place in the pipeline: hidden states of the kept tokens → all-pairs CKA matrix [L+1, L+1] → C_ℓm for
 `layerwave.selection` and the compartments of `layerwave.analysis.compartments`.

@@ -5,7 +5,7 @@ Place in the pipeline: fixed-shape token batches (`layerwave.data.BatchIterator`
 `layerwave.selection` and `layerwave.analysis.report`.
 
 One jitted `stats_step` per batch fuses the target forward (hidden states [L+1, B, T, D]), the token entropy
-(shared/METHOD.md §2; from the final states a chunk of positions at a time, so the [B, T, V] logits are never
+(docs/METHOD.md §2; from the final states a chunk of positions at a time, so the [B, T, V] logits are never
 held at once: `token_filter.entropy_from_hidden`), the filter and `stats.update` of two accumulators: *filtered* (eligible tokens
 whose predictive entropy passes the cut) and *unfiltered* (the control without the filter: by default a random,
 same-size subset of each sequence's eligible tokens, see `CollectOptions.unfiltered`). Eligible = real (attention
@@ -62,7 +62,7 @@ HISTOGRAM_BINS = 60
 
 @dataclasses.dataclass(frozen=True)
 class CollectOptions:
-  """Settings of one collection pass (shared/METHOD.md §2–4 flags).
+  """Settings of one collection pass (docs/METHOD.md §2–4 flags).
 
   Attributes:
     temperature: softmax temperature of the token entropy.

@@ -1,4 +1,4 @@
-"""Compartments: contiguous blocks of depth with high mutual CKA (shared/METHOD.md §6).
+"""Compartments: contiguous blocks of depth with high mutual CKA (docs/METHOD.md §6).
 
 Place in the pipeline: the [L+1, L+1] CKA matrix from `layerwave.analysis.stats` (usually restricted to the
 candidate layers) → an optimal contiguous segmentation → the `compartment` selection strategy and the plots

@@ -1,4 +1,4 @@
-"""Matrix (Gram) entropy of layer representations — informativeness (shared/METHOD.md §3).
+"""Matrix (Gram) entropy of layer representations — informativeness (docs/METHOD.md §3).
 
 Place in the pipeline: hidden states [L+1, B, T, D] + the token-filter keep mask [B, T] → per-sequence,
 per-layer matrix entropy [L+1, B] (prompt entropy; averaged over sequences by `layerwave.analysis.stats`)

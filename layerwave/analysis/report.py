@@ -36,7 +36,7 @@ _CKA_MODES = ("minibatch", "exact")
 
 @dataclasses.dataclass(frozen=True)
 class SelectionOptions:
-  """How statistics become layer choices (shared/METHOD.md §5–6 flags).
+  """How statistics become layer choices (docs/METHOD.md §5–6 flags).
 
   Attributes:
     strategies: strategies to run, in order.

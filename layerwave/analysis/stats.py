@@ -1,4 +1,4 @@
-"""Streaming layer statistics over a corpus (shared/METHOD.md §3–4).
+"""Streaming layer statistics over a corpus (docs/METHOD.md §3–4).
 
 Place in the pipeline: for every batch, target hidden states [L+1, B, T, D] and the token-filter keep mask
 [B, T] go through one jitted `update` of a `LayerStatsAccumulator`; after the corpus, `finalize` turns the

@@ -1,4 +1,4 @@
-"""Token predictive entropy and the token filter (shared/METHOD.md §2).
+"""Token predictive entropy and the token filter (docs/METHOD.md §2).
 
 Place in the pipeline: target forward → logits [B, T, V] → `token_entropy` → `entropy_filter_mask` → the
 keep mask [B, T] that every layer statistic (matrix entropy, CKA; `layerwave.analysis.stats`) reads.

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft in Flax NNX: what the selected target layers feed (shared/METHOD.md §7).
+"""The EAGLE-3 draft in Flax NNX: what the selected target layers feed (docs/METHOD.md §7).
 
     g_t   = fc(concat(h_{l1,t}, ..., h_{lk,t}))                      fuse k target layers, k*D -> d
     u_t   = concat(norm_e(embed(x_{t+1})), norm_g(g_t))              2d wide, embedding first

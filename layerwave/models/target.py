@@ -11,7 +11,7 @@ The cache, how new tokens are written into it and what each one reads are `layer
 Gemma 3's sliding layers read only keys less than `sliding_window` positions behind the query, in all three
 uses (`kv_cache.window_mask`); the cache itself stays full length, so a window never needs a ring buffer.
 
-Hidden states follow Hugging Face's convention (shared/METHOD.md §1): index 0 is the embedding output,
+Hidden states follow Hugging Face's convention (docs/METHOD.md §1): index 0 is the embedding output,
 index i (1 <= i < L) the output of block i-1, index L the final RMSNorm of the last block's output.
 
 Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.

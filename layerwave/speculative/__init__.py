@@ -1,4 +1,4 @@
-"""Speculative decoding with an EAGLE-3 draft: the last stage of the pipeline (shared/METHOD.md §8).
+"""Speculative decoding with an EAGLE-3 draft: the last stage of the pipeline (docs/METHOD.md §8).
 
   generate(target, draft, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, **draft_options)
       → (new-token lists, metrics); draft_options: method="chain" | "tree", num_draft_tokens,

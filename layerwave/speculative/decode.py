@@ -1,7 +1,7 @@
 """Speculative decoding: draft → verify → accept → commit as one jitted `lax.while_loop` per call.
 
 The last stage of the pipeline: an EAGLE-3 draft reading the selected target layers proposes tokens, the
-target verifies them, and the output is exactly what the target alone would produce (shared/METHOD.md §8).
+target verifies them, and the output is exactly what the target alone would produce (docs/METHOD.md §8).
 One `generate` call is one jitted function, like `layerwave.generate`:
 
 * prefill: the target reads the (right-padded, ragged) prompts into its `KVCache`, returning the selected

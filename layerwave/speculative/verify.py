@@ -1,4 +1,4 @@
-"""Accepting drafted tokens after the target has verified a `Tree` in one call (shared/METHOD.md §8).
+"""Accepting drafted tokens after the target has verified a `Tree` in one call (docs/METHOD.md §8).
 
 Both rules here are exactly lossless: the tokens they emit are distributed as plain decoding from the target's
 processed distribution p (`layerwave.sampling.log_probs`: temperature, top-k, top-p), and equal greedy

@@ -22,7 +22,7 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelOptions:
-  """`config.draft_model`: the EAGLE-3 draft's shape (shared/METHOD.md §7).
+  """`config.draft_model`: the EAGLE-3 draft's shape (docs/METHOD.md §7).
 
   Attributes:
     vocab_size: V_d, capped at the target's vocabulary.
@@ -45,7 +45,7 @@ class DraftModelOptions:
 
 @dataclasses.dataclass(frozen=True)
 class TrainOptions:
-  """`config.train`: the budget, the optimizer and the training-time test (shared/METHOD.md §7).
+  """`config.train`: the budget, the optimizer and the training-time test (docs/METHOD.md §7).
 
   Attributes:
     batch_size: global batch (divisible by the mesh's data axis).

@@ -19,7 +19,7 @@ Layout of a store directory:
       offsets.npy               `[n_seq + 1]` int64, sequence i is tokens offsets[i]:offsets[i+1]
       index.npy                 `[n_seq]` int64, the sequence's index in the chat dataset's split
 
-Hidden states follow the HF convention (shared/METHOD.md §1): depth 0 = embeddings, i = output of block i-1,
+Hidden states follow the HF convention (docs/METHOD.md §1): depth 0 = embeddings, i = output of block i-1,
 L = the final norm. bfloat16 arrays are saved as their uint16 bit pattern (numpy has no bfloat16 `.npy`);
 `dtype` in the manifest says how to view them. Each shard is written under a temporary name and renamed
 (`layerwave.atomic`), so a shard directory is complete or absent; the reader merges the processes' parts,
