@@ -2,7 +2,7 @@
 
 Static batching (`layerwave.generate` without `slots`) decodes a batch until its longest row ends, so a row
 that finished early, or that fell into a repetition loop, keeps paying for decode steps. Here, as in
-JetStream's and MaxText's engines, S rows share one preallocated `KVCache [S, M]`:
+JetStream's and MaxText's engines, B rows share one preallocated `KVCache [B, S]`:
 
 * decode runs in jitted chunks of `chunk_steps` steps (`_decode`, a `fori_loop`, no host sync inside); a row
   stops at EOS or at `max_new_tokens`, and a stopped row does not advance;
@@ -12,7 +12,7 @@ JetStream's and MaxText's engines, S rows share one preallocated `KVCache [S, M]
   of the big one (`_insert`, the state donated, so the update is in place; `warmup` compiles every width);
 * attention reads only the cache slots a live row can reach in this chunk: the chunk's read bound is the
   longest live context plus `chunk_steps`, rounded up to `READ_BUCKET` slots (one compilation per bucket),
-  not the M slots preallocated for the longest prompt plus `max_new_tokens`.
+  not the S slots preallocated for the longest prompt plus `max_new_tokens`.
 
 Results do not depend on the schedule. Greedy rows are those of `layerwave.generate` on each prompt alone (up
 to float summation order, which tests check on real prompts). When sampling, the token at answer position j
@@ -22,9 +22,10 @@ splits one key per step for the whole batch).
 
 API: `Engine(target, slots, max_new_tokens, ...)`, then `submit(Request)` any time (also from inside the loop,
 e.g. a conversation's next turn) and `step()` until `busy` is False; each `step` returns the requests that
-finished. `generate_continuous` wraps it for a list of prompts (`layerwave.generate(..., slots=S)`).
+finished. `generate_continuous` wraps it for a list of prompts (`layerwave.generate(..., slots=B)`).
 
-Legend (`layerwave.axes`): S slots (decoding rows), M cache slots per row, N new tokens per row.
+Legend (`layerwave.axes`): B batch (the decoding rows), S cache slots (per row), T tokens (each row's new ones),
+P prompt width.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.sampling import SamplingParams, sample
 
 READ_BUCKET = 64  # the attention read bound is a multiple of this many cache slots
-PREFILL_MIN_WIDTH = 32  # prefill widths are powers of two from this, capped at M
+PREFILL_MIN_WIDTH = 32  # prefill widths are powers of two from this, capped at S
 
 
 @dataclasses.dataclass
@@ -76,14 +77,14 @@ class Finished:
 
 @struct.dataclass
 class SlotState:
-  """The decoding rows on device. `tokens [S, N]`: each row's new tokens, `count [S]` how many."""
+  """The decoding rows on device. `tokens [B, T]`: each row's new tokens, `count [B]` how many."""
 
   tokens: jax.Array
   count: jax.Array
-  last: jax.Array  # [S] the newest token, not yet in the cache
-  lengths: jax.Array  # [S] committed cache length (prompt + count - 1)
-  done: jax.Array  # [S] the row does not advance
-  seed_index: jax.Array  # [S] uint32, the row's request's random stream
+  last: jax.Array  # [B] the newest token, not yet in the cache
+  lengths: jax.Array  # [B] committed cache length (prompt + count - 1)
+  done: jax.Array  # [B] the row does not advance
+  seed_index: jax.Array  # [B] uint32, the row's request's random stream
   cache: KVCache
 
 
@@ -120,7 +121,7 @@ def _insert(graphdef, params, state: SlotState, rows, tokens, lengths, seed_inde
             eos_ids, max_new_tokens) -> SlotState:
   """Prefills `tokens [b, P]` (right-padded, `lengths [b]`) and puts them into `rows [b]` of `state`.
 
-  Rows equal to S (padding) are dropped. The first new token is sampled here (answer position 0).
+  Rows equal to B (padding) are dropped. The first new token is sampled here (answer position 0).
   """
   b, width = tokens.shape
   fresh = lambda big: jnp.zeros((b, width) + big.shape[2:], big.dtype)
@@ -175,9 +176,9 @@ class Engine:
 
   Args:
     target: a loaded `Target`.
-    slots: S, decoding rows (a multiple of the mesh's data axis).
-    max_new_tokens: N, the most new tokens per request.
-    max_prompt_tokens: the longest prompt the cache holds (M = it + N, rounded up to `READ_BUCKET`).
+    slots: B, decoding rows (a multiple of the mesh's data axis).
+    max_new_tokens: T, the most new tokens per request.
+    max_prompt_tokens: the longest prompt the cache holds (S = it + T, rounded up to `READ_BUCKET`).
     temperature, top_k, top_p, seed: sampling (the module docstring says how the random streams are drawn).
     ignore_eos: rows run to `max_new_tokens` (benchmarks).
     stop_fn: `stop_fn(tokens) -> bool`, asked between chunks about each live row's tokens so far; True ends it
@@ -372,7 +373,7 @@ def generate_continuous(target: Target, prompt_ids: Sequence[Sequence[int]], max
                         *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                         ignore_eos: bool = False, stop_fn=None, chunk_steps: int = 16,
                         return_stats: bool = False, log_every: float = 0.0):
-  """`layerwave.generate(..., slots=S)`: every prompt's new tokens, in input order (see the module docstring).
+  """`layerwave.generate(..., slots=B)`: every prompt's new tokens, in input order (see the module docstring).
 
   `slots` larger than the number of prompts uses fewer rows (rounded up to the data axis). Prompt i samples
   from random stream i.

@@ -14,7 +14,8 @@ its `ModelConfig`, tokenizer and mesh. The functions beside it:
 
 The draft-training step merges the target inside its own jitted step instead (`layerwave.training.step`).
 
-Legend (`layerwave.axes`): B batch, T tokens, P prompt width, L target layers, D target width, V target vocabulary.
+Legend (`layerwave.axes`): B batch, T tokens, P prompt width, S cache slots, G key/value heads, Dh head width,
+L target layers, D target width, V target vocabulary.
 """
 
 from __future__ import annotations
