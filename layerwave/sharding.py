@@ -9,6 +9,7 @@ XLA's partitioner places the collectives.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Sequence
@@ -81,6 +82,20 @@ def require_single_process(stage: str) -> None:
     raise ValueError(f"{stage} runs in one JAX process, not {jax.process_count()}: the host drives every decode "
                      "step and would repeat it on each process. Run it without --config.distributed (one "
                      "process per machine); the analysis, extraction and draft training run multi-host.")
+
+
+def check_processes_agree(config, stage: str) -> None:
+  """Refuses a multi-process run whose processes were started with different configs (each would build its
+  own batches and schedule, and the collectives would silently mix them)."""
+  if jax.process_count() == 1:
+    return
+  text = config.to_json_best_effort(sort_keys=True) if hasattr(config, "to_json_best_effort") else repr(config)
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest))  # [processes, 32]
+  differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+  if differ:
+    raise ValueError(f"{stage}: processes {differ} were started with a config other than process 0's; give "
+                     "every process the same command and flags.")
 
 
 def data_position(mesh: Mesh) -> tuple[int, int]:

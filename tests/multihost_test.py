@@ -50,7 +50,7 @@ def test_analysis_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path):
   assert one["selections"] == two[0]["selections"] == two[1]["selections"]
 
 
-_TRAIN = """
+_TRAIN_CONFIG = """
 from layerwave.training import loop
 from tests import configs
 config = configs.load("smoke")
@@ -61,6 +61,8 @@ t = config.train
 t.batch_size, t.num_steps, t.warmup_steps, t.ttt_steps, t.lr = 4, 4, 1, 2, 1e-2
 t.log_every = t.eval_every = t.checkpoint_every = 2
 t.eval_batches = 2
+"""
+_TRAIN = _TRAIN_CONFIG + """
 out = loop.run(config, os.path.join(ARGS[1], "train"))
 write_result({k: out[k] for k in ("step", "heldout_loss", "heldout_acc", "heldout_sim_tau") if k in out})
 """
@@ -119,3 +121,19 @@ def test_extraction_and_offline_training_in_two_processes_equal_one(tiny_chat_ta
   for i in range(len(a)):
     for key in ("hidden", "final", "argmax", "input_ids"):
       np.testing.assert_allclose(np.asarray(b[i][key]), np.asarray(a[i][key]), atol=1e-5)
+
+
+_DISAGREE = _TRAIN_CONFIG + """
+if PROCESS == 1:
+  config.train.lr = 5e-3
+try:
+  loop.run(config, os.path.join(ARGS[1], "train"))
+  write_result("ran")
+except ValueError as e:
+  write_result(str(e))
+"""
+
+
+def test_processes_started_with_different_configs_are_refused(tiny_chat_target_dir, tmp_path):
+  errors = _stage(_DISAGREE, tmp_path, "disagree", tiny_chat_target_dir, num_processes=2)
+  assert all("processes [1] were started with a config other than process 0's" in e for e in errors), errors

@@ -50,6 +50,7 @@ def run(config, workdir: str) -> dict:
   split = options_lib.convert(a.split, str, "analysis.split")
   batch_size = options_lib.convert(a.batch_size, int, "analysis.batch_size")
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.check_processes_agree(config, "The analysis")
   mesh = sharding.make_mesh(config.mesh)
   start = time.perf_counter()
   target = inference.load_target(config.model, dtype=config.dtype, mesh=mesh)

@@ -288,6 +288,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   seed = options_lib.convert(config.seed, int, "seed")  # draft initialisation and data order
   metrics_lib.quiet_library_logs()
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.check_processes_agree(config, "Draft training")
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   if target.tokenizer is None:

@@ -433,6 +433,7 @@ def run(config) -> dict[str, Any]:
   if not opts.dir:
     raise ValueError("Give the store's directory: --config.features.dir=DIR.")
   sharding.maybe_initialize_distributed(config.distributed)
+  sharding.check_processes_agree(config, "Feature extraction")
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   if target.tokenizer is None:
