@@ -62,7 +62,7 @@ CAMPAIGN_PROMPTS ?= 12000
 ANSWERS_RELEASE ?= releases/smollm2-135m-instruct-distilled
 CAMPAIGN_RECIPE := --config=configs/smollm2_135m.py:recipe --config.data.source=distilled:$(CAMPAIGN)/distilled
 campaign-distill: setup
-	test -d $(CAMPAIGN)/distilled || ! test -f $(ANSWERS_RELEASE)/MANIFEST.json || \
+	test -d $(CAMPAIGN)/distilled || ! test -f $(ANSWERS_RELEASE)/manifest.json || \
 	    $(PY) -m layerwave.data.release unpack $(ANSWERS_RELEASE) $(CAMPAIGN)/distilled
 	$(PY) experiments/distill.py $(CAMPAIGN_RECIPE) --workdir=$(CAMPAIGN)/distilled \
 	    --config.distill.num_prompts=$(CAMPAIGN_PROMPTS)

@@ -5,7 +5,7 @@
       --commands="make campaign-distill" --commands="make campaign-train"
 
 Loads the target the draft's checkpoint recorded, exports the draft (`layerwave.export.export_eagle3`, weights
-in --dtype) and writes MANIFEST.json (layer ids, target fingerprint, data, commands, held-out sim τ from the
+in --dtype) and writes manifest.json (layer ids, target fingerprint, data, commands, held-out sim τ from the
 workdir's last evaluation plus --metrics, SHA-256 of every file); see `layerwave/training/release.py`. Then
 `layerwave.load_draft(NAME, target)` and `--config.draft=NAME` load it. A release is replaced only with
 --overwrite (a better draft).

@@ -3,7 +3,7 @@
 A distillation workdir (`layerwave.data.distill`) holds the prompts' text (third-party data: ShareGPT) beside
 the target's answers. A release keeps only what this project made: for each finished chunk, each kept
 conversation's position and id in the prompt source and the token ids of each answer, gzipped JSON
-(`answers-NNNNN.json.gz`), plus the workdir's `settings.json` and `MANIFEST.json` (counts, commands, the
+(`answers-NNNNN.json.gz`), plus the workdir's `settings.json` and `manifest.json` (counts, commands, the
 content fingerprint of the records, the SHA-256 of every file). Any machine with the prompt source installed
 rebuilds the workdir's chunk files from it (`unpack`): the user turns come from the source, the answers are
 the token ids decoded by the target's tokenizer exactly as distillation decoded them. A rebuilt workdir is a
@@ -34,7 +34,7 @@ from layerwave.inference import load_target
 
 __all__ = ["ReleaseError", "pack", "unpack", "verify", "MANIFEST"]
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = "manifest.json"
 FORMAT = "layerwave-distilled-answers"
 FORMAT_VERSION = 1
 _ANSWERS = re.compile(r"answers-(\d{5})\.json\.gz$")

@@ -1,7 +1,7 @@
 """Released drafts: an EAGLE-3 directory with a manifest, committed under `releases/`, loaded by short name.
 
 A draft release is exactly what `layerwave.export.export_eagle3` writes (`config.json`, `model.safetensors`,
-weights in bfloat16 by default) plus `MANIFEST.json`: the layer ids, the target (model spec and fingerprint),
+weights in bfloat16 by default) plus `manifest.json`: the layer ids, the target (model spec and fingerprint),
 the data, the commands that made it, its measured held-out sim τ and evaluation table, and the SHA-256 of every
 file. `layerwave.load_draft("smollm2-135m-instruct-eagle3", target)` and `--config.draft=NAME` find it under
 `releases/` (or `$LAYERWAVE_RELEASES`); loading verifies every checksum and the target first, so an altered

@@ -602,8 +602,8 @@ def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, 
   packed = release.pack(workdir, out, commands=["distill ..."])
   assert packed["content"] == manifest["dataset"]["content"] and packed["chunks"] == manifest["dataset"]["chunks"]
   names = sorted(os.listdir(out))
-  assert names == ["MANIFEST.json"] + [f"answers-{k:05d}.json.gz" for k in range(packed["chunks"])] + [
-      "settings.json"]
+  assert sorted(names) == [f"answers-{k:05d}.json.gz" for k in range(packed["chunks"])] + [
+      "manifest.json", "settings.json"]
   # No prompt text in the release: only ids, positions and token ids.
   import gzip  # pylint: disable=g-import-not-at-top
   with gzip.open(os.path.join(out, "answers-00000.json.gz"), "rt") as f:
@@ -640,10 +640,10 @@ def test_an_altered_or_foreign_release_is_refused(target, records, evals, distil
   body["records"][0]["answers"][0] = body["records"][0]["answers"][0][:-1]
   with open(path, "wb") as f:
     f.write(gzip.compress(json.dumps(body).encode()))
-  with open(os.path.join(out, "MANIFEST.json")) as f:
+  with open(os.path.join(out, "manifest.json")) as f:
     manifest = json.load(f)
   manifest["sha256"]["answers-00001.json.gz"] = release.sha256(path)
-  with open(os.path.join(out, "MANIFEST.json"), "w") as f:
+  with open(os.path.join(out, "manifest.json"), "w") as f:
     json.dump(manifest, f)
   with pytest.raises(release.ReleaseError, match="do not match its content fingerprint"):
     release.unpack(out, str(tmp_path / "w3"), target=target, records=records)
@@ -654,5 +654,5 @@ def test_an_altered_or_foreign_release_is_refused(target, records, evals, distil
   os.remove(path)
   with pytest.raises(release.ReleaseError, match="is missing"):
     release.verify(out)
-  with pytest.raises(release.ReleaseError, match="no MANIFEST.json"):
+  with pytest.raises(release.ReleaseError, match="no manifest.json"):
     release.verify(str(tmp_path))

@@ -43,7 +43,7 @@ def _params(draft):
 def test_a_release_loads_by_short_name_and_decodes_as_plain_greedy(target, root):
   draft, manifest = _release(target, root)
   assert release.available() == ["tiny-eagle3"] and manifest["layer_ids"] == [2, 4, 5]
-  assert sorted(os.listdir(root / "tiny-eagle3")) == ["MANIFEST.json", "config.json", "model.safetensors"]
+  assert sorted(os.listdir(root / "tiny-eagle3")) == ["config.json", "manifest.json", "model.safetensors"]
   assert not [n for n in os.listdir(root) if n.startswith(".tmp")]
   loaded = layerwave.load_draft("tiny-eagle3", target)
   assert loaded.config.layer_ids == (2, 4, 5)
@@ -102,6 +102,6 @@ def test_releases_are_replaced_only_when_asked(target, root):
     _release(target, root, name="Bad Name")
   draft = evaluate.load_draft("random", target, draft_vocab_size=512, seed=4)
   release.write(draft, target, str(root / "tiny-eagle3"), model="tiny", overwrite=True)
-  with open(root / "tiny-eagle3" / "MANIFEST.json") as f:
+  with open(root / "tiny-eagle3" / "manifest.json") as f:
     assert json.load(f)["format"] == release.FORMAT
   layerwave.load_draft("tiny-eagle3", target)
