@@ -126,7 +126,8 @@ class DecodeSettings:
     prompt_width: pad prompts to at least this many tokens (one compilation for every batch), 0 = off.
     spec: how to draft (`decode.SpecOptions`).
     auto: choose `spec` by measurement before decoding (`speculate.method="auto"`, `tuner.tune`): chains of
-      1 .. `spec.num_draft_tokens` and the small trees of `tuner.AUTO_TREES`, tuned on the first prompts.
+      1 .. `spec.num_draft_tokens` and the small trees of `tuner.AUTO_TREES`, each timed end to end against
+      plain decoding on the first prompts; the fastest wins.
   """
 
   max_new_tokens: int
