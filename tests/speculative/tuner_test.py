@@ -1,4 +1,4 @@
-"""layerwave.speculative.tuner: `method="auto"` measures costs and acceptance and picks a setting, losslessly."""
+"""layerwave.speculative.tuner: `method="auto"` times every candidate end to end and picks one, losslessly."""
 
 import dataclasses
 
@@ -8,97 +8,116 @@ import pytest
 import layerwave
 from layerwave.speculative import decode
 from layerwave.speculative import evaluate
+from layerwave.speculative import timing
 from layerwave.speculative import tree as tree_lib
 from layerwave.speculative import tuner
 from tests import configs
 from tests.speculative.conftest import PROMPTS
 
-
-def _tau_by_enumeration(acceptance, k):
-  """E[1 + accepted drafts] from the distribution of the accepted length m (independent of `chain_tau`)."""
-  a = list(acceptance)[:k]
-  expected = 0.0
-  for m in range(k + 1):
-    p = np.prod(a[:m]) * (1.0 - a[m] if m < k else 1.0)
-    expected += (m + 1) * p
-  return expected
+WIDTH = max(len(p) for p in PROMPTS)
+TREE = tree_lib.TreeBudget(2, 2, 3)
 
 
-@pytest.mark.parametrize("acceptance", [(0.5, 0.5, 0.5), (0.9, 0.1, 0.7, 0.3), (0.0, 1.0), (1.0, 1.0, 1.0)])
-def test_chain_tau_is_the_expected_accepted_length(acceptance):
-  for k in range(1, len(acceptance) + 1):
-    assert tuner.chain_tau(acceptance, k) == pytest.approx(_tau_by_enumeration(acceptance, k), abs=1e-12)
+def _record(spec, ratios):
+  """A candidate whose paired timing has the given per-pair ratios (plain at 1 token/s)."""
+  n = len(ratios)
+  measured = timing.PairedTiming(tuple(ratios), (1.0,) * n, tuple(ratios), 1, [], [], np.ones(2, np.int64),
+                                 [])
+  return tuner.Candidate(spec, measured)
 
 
-def test_chain_tau_inverts_the_loops_acceptance_metrics():
-  # A histogram of accepted lengths → conditional acceptance (what the loop reports) → τ (what the tuner
-  # predicts) gives back the histogram's own mean accepted length + 1.
-  rng = np.random.default_rng(0)
-  for _ in range(20):
-    hist = rng.integers(0, 50, size=6)
-    m = decode.acceptance_metrics(hist[None])
-    assert tuner.chain_tau(m["acceptance"], 5) == pytest.approx(m["tau"], rel=1e-12)
+def _median_ratio(c):
+  return float(np.median(c.measured.ratios))
 
 
 @pytest.fixture(scope="module")
 def tuned(llama):
   target, _, trained = llama
-  result = tuner.tune(target, trained, PROMPTS, batch_size=2, max_new_tokens=12, chain_lengths=(1, 2, 3),
-                      tree_budgets=(tree_lib.TreeBudget(2, 2, 3),), repeats=2, confirm=2)
+  result = tuner.tune(target, trained, PROMPTS, batch_size=2, max_new_tokens=12, chain_lengths=(3, 1, 2, 2),
+                      tree_budgets=(TREE,), repeats=1)
   return target, trained, result
 
 
-def test_tune_predicts_every_candidate_and_picks_the_fastest_confirmed(tuned):
+def test_tune_times_each_candidate_once_and_chooses_among_them(tuned):
+  _, _, result = tuned
+  requested = [decode.SpecOptions(method="chain", num_draft_tokens=k) for k in (1, 2, 3)] + [
+      decode.SpecOptions(method="tree", tree_depth=2, tree_top_k=2, tree_tokens=3)]
+  # Every requested setting, duplicates dropped, and nothing else; each timed on every calibration batch.
+  assert sorted((c.spec for c in result.candidates), key=str) == sorted(requested, key=str)
+  assert len({c.name for c in result.candidates}) == len(requested)
+  for c in result.candidates:
+    assert c.measured.num_pairs == len(PROMPTS) // 2 and c.measured.repeats == 1
+    assert len(c.measured.ratios) == len(c.measured.plain_tokens_per_s) == len(c.measured.spec_tokens_per_s)
+  assert any(result.choice is c for c in result.candidates)
+  # The choice is the fastest in the records the tuner returns: no other candidate measured a higher median.
+  assert all(_median_ratio(result.choice) >= _median_ratio(c) for c in result.candidates)
+  assert result.beats_plain == any(_median_ratio(c) > 1 for c in result.candidates)
+
+
+def test_every_timed_candidate_is_lossless_and_its_record_reproduces(tuned):
   target, trained, result = tuned
-  names = [c.name for c in result.candidates]
-  assert sorted(names) == sorted(["chain K=1", "chain K=2", "chain K=3", "tree d=2 k=2 n=3"])
-  confirmed, rest = result.candidates[:2], result.candidates[2:]
-  # The two best predictions were decoded end to end; the measured best is chosen, the rest stay ranked by
-  # prediction.
-  assert all(c.measured is not None for c in confirmed) and all(c.measured is None for c in rest)
-  assert min(c.speedup for c in confirmed) >= max(c.speedup for c in rest)
-  measured = [c.measured_speedup for c in confirmed]
-  assert measured == sorted(measured, reverse=True) and result.choice is result.candidates[0]
-  assert [c.speedup for c in rest] == sorted((c.speedup for c in rest), reverse=True)
-  assert result.beats_plain == (result.choice.measured_speedup > 1)
-  padded = PROMPTS + PROMPTS[:len(PROMPTS) % 2]
-  plain = layerwave.generate(target, padded, 12, prompt_width=max(len(p) for p in PROMPTS))
-  for c in confirmed:
-    # One ABBA pair per calibration batch, lossless against plain decoding, and the run's acceptance equals
-    # an independent speculative run of the same setting over the same prompts.
-    assert c.measured.num_pairs == len(padded) // 2 and c.measured.repeats == 1
+  plain = layerwave.generate(target, PROMPTS, 12, prompt_width=WIDTH)
+  for c in result.candidates:
+    # Greedy: both sides of every pair emit plain decoding's tokens.
     assert c.measured.plain_outputs == plain and c.measured.spec_outputs == plain
-    hists = [decode.generate(target, trained, padded[i:i + 2], 12, prompt_width=max(len(p) for p in PROMPTS),
+    # The record's acceptance is that of an independent run of the same setting over the same batches.
+    hists = [decode.generate(target, trained, PROMPTS[i:i + 2], 12, prompt_width=WIDTH,
                              **dataclasses.asdict(c.spec))[1]["accept_length_hist"]
-             for i in range(0, len(padded), 2)]
+             for i in range(0, len(PROMPTS), 2)]
     np.testing.assert_array_equal(c.measured.accept_length_hist, np.sum(hists, axis=0))
-  c = result.costs
-  assert c.batch_size == 2 and [n for n, _ in c.verify_s] == [1, 2, 3, 4] and c.plain_token_s > 0
-  for cand in result.candidates:
-    assert cand.iteration_s > 0 and cand.speedup == pytest.approx(cand.tau * c.plain_token_s / cand.iteration_s)
-  # The probe chain's τ, from the acceptance it measured, equals τ measured directly by the same run.
-  _, m = decode.generate(target, trained, PROMPTS[:2], 12, num_draft_tokens=3,
-                         prompt_width=max(len(p) for p in PROMPTS))
-  _, m2 = decode.generate(target, trained, PROMPTS[2:], 12, num_draft_tokens=3,
-                          prompt_width=max(len(p) for p in PROMPTS))
-  both = decode.acceptance_metrics(np.asarray([m["accept_length_hist"], m2["accept_length_hist"]]))
-  assert result.acceptance == pytest.approx(tuple(both["acceptance"]))
-  chain3 = next(x for x in result.candidates if x.name == "chain K=3")
-  assert chain3.tau == pytest.approx(both["tau"])
+    assert 1.0 <= c.tau <= 1.0 + (c.spec.num_draft_tokens if c.spec.method == "chain" else c.spec.tree_depth)
+  # The chosen setting, decoded on its own, gives plain decoding's output too.
+  out, _ = decode.generate(target, trained, PROMPTS, 12, **dataclasses.asdict(result.choice.spec))
+  assert out == layerwave.generate(target, PROMPTS, 12)
+
+
+def test_table_and_dict_report_the_records(tuned):
+  _, _, result = tuned
   table = result.table()
-  assert "(chosen)" in table and "predicted speedup" in table and "not confirmed" in table
+  assert table.count("(chosen)") == 1 and f"{result.choice.name} (chosen)" in table
+  assert all(c.name in table for c in result.candidates)
+  assert ("No setting beats plain decoding" in table) == (not result.beats_plain)
   d = result.to_dict()
-  assert d["choice"] == result.choice.name
-  assert d["candidates"][0]["measured"]["speedup"] == result.choice.measured_speedup
+  assert d["choice"] == result.choice.name and d["choice_spec"] == dataclasses.asdict(result.choice.spec)
+  assert [x["name"] for x in d["candidates"]] == [c.name for c in result.candidates]
+  chosen = next(x for x in d["candidates"] if x["name"] == d["choice"])
+  assert chosen["measured"]["speedup"] == max(x["measured"]["speedup"] for x in d["candidates"])
 
 
-def test_tune_without_confirmation_chooses_by_prediction(llama):
+def test_an_odd_prompt_count_pads_the_last_batch(llama):
   target, _, trained = llama
-  result = tuner.tune(target, trained, PROMPTS[:2], batch_size=2, max_new_tokens=8, chain_lengths=(1, 2),
-                      repeats=1, confirm=0)
-  assert all(c.measured is None for c in result.candidates)
-  assert result.choice is max(result.candidates, key=lambda c: c.speedup)
-  assert result.beats_plain == (result.choice.speedup > 1)
+  result = tuner.tune(target, trained, PROMPTS[:3], batch_size=2, max_new_tokens=6, chain_lengths=(2,))
+  (c,) = result.candidates
+  padded = PROMPTS[:3] + PROMPTS[2:3]
+  assert result.prompts == len(padded) and result.choice is c
+  # repeats=None: the fewest repeats per batch that give at least MIN_PAIRS pairs over the two batches.
+  assert c.measured.num_pairs == 2 * result.repeats
+  assert c.measured.num_pairs >= tuner.MIN_PAIRS > 2 * (result.repeats - 1)
+  width = max(len(p) for p in PROMPTS[:3])
+  assert c.measured.spec_outputs == layerwave.generate(target, padded, 6, prompt_width=width)
+
+
+def test_choose_takes_the_highest_median_whatever_the_order():
+  rng = np.random.default_rng(0)
+  specs = [decode.SpecOptions(method="chain", num_draft_tokens=k) for k in range(1, 7)]
+  for _ in range(20):
+    records = [_record(s, rng.uniform(0.5, 1.5, size=rng.integers(1, 6))) for s in specs]
+    chosen = tuner.choose(records)
+    assert any(chosen is r for r in records)
+    assert all(_median_ratio(chosen) >= _median_ratio(r) for r in records)
+    for perm in (rng.permutation(len(records)) for _ in range(3)):
+      # The same timings in another order: the same record (distinct medians, so no tie decides).
+      assert tuner.choose([records[i] for i in perm]) is chosen
+    assert tuner.choose(records) is chosen
+
+
+def test_choose_breaks_a_tie_by_the_order_given():
+  a = _record(decode.SpecOptions(num_draft_tokens=1), (0.9, 1.1))
+  b = _record(decode.SpecOptions(num_draft_tokens=2), (1.1, 0.9))
+  assert a.speedup == b.speedup
+  assert tuner.choose([a, b]) is a and tuner.choose([b, a]) is b
+  with pytest.raises(ValueError, match="at least one timed candidate"):
+    tuner.choose([])
 
 
 def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
@@ -109,7 +128,8 @@ def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
   ev = evaluate.evaluate(target, trained, PROMPTS, settings, seed=0, paired=False)
   assert ev.tuning is not None and not ev.settings.auto
   assert ev.settings.spec == ev.tuning.choice.spec
-  assert {c.name for c in ev.tuning.candidates} >= {"chain K=1", "chain K=2"}
+  assert {"chain K=1", "chain K=2"} <= {c.name for c in ev.tuning.candidates}
+  assert all(c.spec.num_draft_tokens <= 2 for c in ev.tuning.candidates if c.spec.method == "chain")
   plain = layerwave.generate(target, PROMPTS, 8)
   assert ev.outputs == plain
   summary = evaluate.summary(ev)
@@ -117,7 +137,7 @@ def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
   assert "(auto)" in evaluate.table(summary, settings)
 
 
-def test_auto_from_the_config_and_bad_input():
+def test_auto_from_the_config():
   s = configs.load("smoke").speculate
   s.unlock()
   s.method = "auto"
@@ -127,12 +147,23 @@ def test_auto_from_the_config_and_bad_input():
   s.method = "beam"
   with pytest.raises(ValueError, match="method must be one of"):
     evaluate.DecodeSettings.from_config(s)
-  with pytest.raises(ValueError, match="at least one calibration prompt"):
-    tuner.tune(None, None, [], batch_size=1)
-  with pytest.raises(ValueError, match="at least one candidate"):
-    tuner.tune(None, None, PROMPTS, batch_size=1, chain_lengths=())
-  with pytest.raises(ValueError, match="chain lengths must be >= 1"):
-    tuner.tune(None, None, PROMPTS, batch_size=1, chain_lengths=(0, 2))
-  for bad in (-1, 1.5, True):
-    with pytest.raises(ValueError, match="confirm must be an integer >= 0"):
-      tuner.tune(None, None, PROMPTS, batch_size=1, confirm=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[]), "at least one calibration prompt"),
+    (dict(chain_lengths=()), "at least one candidate: give chain_lengths or tree_budgets"),
+    (dict(chain_lengths=(0, 2)), r"chain lengths must be >= 1"),
+    (dict(chain_lengths=(1.5,)), r"chain lengths must be >= 1"),
+    (dict(tree_budgets=((3, 4, 8),)), r"tree_budgets must be tree.TreeBudget"),
+    (dict(batch_size=0), r"batch_size must be a positive integer"),
+    (dict(batch_size=True), r"batch_size must be a positive integer"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be a positive integer"),
+    (dict(repeats=0), r"repeats must be a positive integer"),
+    (dict(repeats=1.5), r"repeats must be a positive integer"),
+])
+def test_bad_input_is_refused_before_decoding(kwargs, match):
+  # target and draft are None: a check that ran after decoding started would fail differently.
+  args = {"batch_size": 1, **kwargs}
+  prompts = args.pop("prompts", PROMPTS)
+  with pytest.raises(ValueError, match=match):
+    tuner.tune(None, None, prompts, **args)
