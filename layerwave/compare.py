@@ -3,13 +3,14 @@
 Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last two stages many times.
 `run(config, workdir)`:
 
-1. statistics: `config.compare.analysis` (an analysis workdir), or the analysis stage run into `W/analysis`;
+1. statistics: `config.compare.analysis` (an analysis workdir), or the analysis stage run into `W/analysis`,
+   read back typed (`report.read_layer_stats`);
 2. layer sets (`layer_sets`): the `eagle3` baseline, selection strategies, ablations (`nofilter`: the
    ablation strategy on the statistics without the token filter; `entropy_only`: λ = 0; `cka_only`: the k
    least similar layers, entropy ignored; a λ sweep), N random sets and manual sets, each with the selection
    objective Σ Ê − λ Σ C it reaches on the filtered statistics. Sets with the same ids share their cells;
-3. cells, one per (layer set, seed): a draft trained with the same budget (`config.train`,
-   `config.draft_model`, `config.data`) and seed, then speculative decoding on held-out MT-bench, HumanEval
+3. cells, one per (layer set, seed): a draft trained (`training.loop.train`, on the target loaded once) with
+   the same recipe (`config.train`, `config.draft_model`, `config.data`) and seed, then speculative decoding on held-out MT-bench, HumanEval
    and GSM8K prompts at each temperature (τ per dataset, per-depth acceptance; with `compare.speedup`, the
    speedup against `layerwave.generate`, both timed in alternation on the same batches inside the cell:
    `timing.paired_speedup`). Each cell writes `W/cells/<ids>/seed<s>/result.json` when done; a rerun
@@ -20,8 +21,6 @@ Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last
    `W/results.json`, `W/results.md`, `W/plots/compare.png`.
 
 `experiments/compare_layers.py` is the launcher; the README's main job runs it with the `:demo` config.
-
-Legend (`layerwave.axes`): L target layers.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import shutil
 import time
 from typing import Any, Sequence
 
-import ml_collections
 import numpy as np
 from absl import logging
 
@@ -52,7 +50,7 @@ from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
 from layerwave.training import loop
 from layerwave.training import restore
-from layerwave.training.options import DraftModelOptions, TrainOptions
+from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
@@ -150,20 +148,8 @@ class CompareOptions:
     return list(range(self.seeds))
 
 
-def _stat_arrays(record: dict, which: str) -> tuple[np.ndarray, np.ndarray]:
-  """(E [L+1], C [L+1, L+1]) of `record[which]` ("filtered" / "unfiltered") as the selection reads them."""
-  stats = record.get(which)
-  if not stats:
-    raise ValueError(f"layer_stats.json has no {which!r} statistics; for the 'nofilter' ablation run the "
-                     "analysis with analysis.unfiltered='matched' (the default).")
-  inputs = record["selection_inputs"]
-  e_name = f"{inputs['granularity']}_entropy" + ("_normalized" if inputs["normalized_entropy"] else "")
-  c_name = "cka_exact" if inputs["cka"] == "exact" else "cka_minibatch"
-  return np.asarray(stats[e_name], np.float64), np.asarray(stats[c_name], np.float64)
-
-
-def layer_sets(record: dict, compare: CompareOptions) -> list[LayerSet]:
-  """The layer sets `compare` names, selected from an analysis record (`layer_stats.json` content).
+def layer_sets(record: report_lib.AnalysisRecord, compare: CompareOptions) -> list[LayerSet]:
+  """The layer sets `compare` names, selected from an analysis record (`report.read_layer_stats`).
 
   Selections use the analysis' own settings (k, λ, min_gap, candidates, compartments, seed), so the
   strategies here are those of the analysis' `selection.json`.
@@ -171,15 +157,12 @@ def layer_sets(record: dict, compare: CompareOptions) -> list[LayerSet]:
   Raises:
     ValueError: an unknown item, an invalid manual set, no baseline among the sets, bad numbers.
   """
-  opts = record["settings"]["selection"]
-  num_layers = int(record["model"]["num_layers"])
-  hidden = int(record["model"]["hidden_size"])
-  k, lam, min_gap, seed = int(opts["k"]), float(opts["lam"]), int(opts["min_gap"]), int(opts["seed"])
-  candidates = selection_lib.default_candidates(num_layers, opts["include_embeddings"],
-                                                opts["include_final"])
-  blocks = [tuple(b) for b in record["compartments"]["blocks"]]
-  blocks = blocks if len(blocks) >= k else None
-  e, c = _stat_arrays(record, "filtered")
+  opts = record.selection
+  num_layers, hidden = record.num_layers, record.hidden_size
+  k, lam, min_gap, seed = opts.k, opts.lam, opts.min_gap, opts.seed
+  candidates = record.candidates
+  blocks = list(record.blocks) if len(record.blocks) >= k else None
+  e, c = record.arrays("filtered")
   e_hat = selection_lib.normalize_informativeness(e, candidates)
   ablation = compare.ablation_strategy
 
@@ -204,7 +187,7 @@ def layer_sets(record: dict, compare: CompareOptions) -> list[LayerSet]:
       kind = "baseline" if item == baseline else ("random" if item == "random" else "strategy")
       add(item, select(item), kind, f"{item} strategy on the filtered statistics (λ={lam:g})")
     elif item == "nofilter":
-      e_u, c_u = _stat_arrays(record, "unfiltered")
+      e_u, c_u = record.arrays("unfiltered")
       add(item, select(ablation, e_u, c_u), "ablation",
           f"{ablation} on the statistics without the token filter")
     elif item == "entropy_only":
@@ -249,8 +232,8 @@ def fingerprint_settings(config) -> dict[str, Any]:
   """Every setting that fixes what a cell computes, from the stages' typed options (`dataclasses.asdict`).
 
   The target (`model`, `dtype`); `compare` less the fields that only add cells (`_GROWABLE`); `data`,
-  `draft_model` and `train` less its run lengths (`_RUN_LENGTH`) and its `LATE_DEFAULTS` at their defaults
-  (`train.features`, the store offline cells read, stays in); the decoding (`speculate` as
+  `draft_model` and `train` less its logging and checkpointing (`_RUN_LENGTH`; `train.features`, the store
+  offline cells read, stays in); the decoding (`speculate` as
   `DecodeSettings`, less the temperature, which `compare.temperatures` sets, and the timing repeats unless
   `compare.speedup`); and the analysis only when it runs here (`compare.analysis` empty). Not the mesh, nor
   the top-level `seed`, `layers`, `selection` and `draft`, which the cells set themselves.
@@ -259,7 +242,7 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out = {"model": config.model, "dtype": config.dtype}
   out["compare"] = {k: v for k, v in dataclasses.asdict(cmp).items() if k not in _GROWABLE}
   train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
-  out["train"] = TrainOptions.drop_late_defaults({k: v for k, v in train.items() if k not in _RUN_LENGTH})
+  out["train"] = {k: v for k, v in train.items() if k not in _RUN_LENGTH}
   out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
                                                                    "draft_model"))
   out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()
@@ -284,71 +267,26 @@ def fingerprint(config) -> tuple[str, dict]:
   return options_lib.fingerprint(d), d
 
 
-def legacy_fingerprint(config) -> tuple[str, dict]:
-  """The fingerprint comparisons recorded before the typed options, and its settings: a hash of the config's
-  JSON (list fields as comma strings) less set lists, seeds, run lengths and the cells' own fields. Accepted
-  on resume, so that those workdirs still resume."""
-  d = options_lib.legacy_config_json(config)
-  for key in _GROWABLE:
-    d.get("compare", {}).pop(key, None)
-  for key in _RUN_LENGTH:
-    d.get("train", {}).pop(key, None)
-  for key in ("draft", "layers", "selection", "seed", "distill", "features"):  # other stages' sections
-    d.pop(key, None)
-  if not d.get("train", {}).get("features"):  # online cells: workdirs from before the field resume
-    d.get("train", {}).pop("features", None)
-  TrainOptions.drop_late_defaults(d.get("train", {}))
-  DataOptions.drop_late_defaults(d.get("data", {}))
-  if not d.get("compare", {}).get("speedup"):  # nothing is timed: workdirs from before the field resume
-    d.get("speculate", {}).pop("timing_repeats", None)
-  return options_lib.fingerprint(d), d
-
-
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-  if not isinstance(d, dict):
-    return {prefix: d}
-  out = {}
-  for k, v in d.items():
-    out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-  return out
-
-
 def check_workdir(workdir: str, config) -> None:
-  """Records the config in `W/compare.json`, or refuses a workdir written under a different one.
-
-  A workdir's recorded fingerprint is accepted when it is the current one or the legacy one
-  (`legacy_fingerprint`, what comparisons recorded before the typed options).
-  """
+  """Records the config in `W/compare.json`, or refuses a workdir written under a different one (naming the
+  fields that differ)."""
   value, d = fingerprint(config)
   path = os.path.join(workdir, "compare.json")
   if os.path.exists(path):
     with open(path) as f:
       old = json.load(f)
-    legacy, legacy_d = legacy_fingerprint(config)
-    if old.get("fingerprint") in (value, legacy):
+    if old.get("fingerprint") == value:
       return
-    recorded = _flat(old.get("settings", {}))
-    # Name the differing fields against whichever form (current or legacy) the workdir recorded.
-    diff = min(([k for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
-                for now in (_flat(d), _flat(legacy_d))), key=len)
     raise ValueError(f"{workdir} holds comparison results of a different config (fingerprint "
-                     f"{old.get('fingerprint')} vs {value}; differing fields: {', '.join(diff[:8])}"
-                     f"{' ...' if len(diff) > 8 else ''}). Resume with the same config or use a new "
-                     "--workdir.")
+                     f"{old.get('fingerprint')} vs {value}; differing fields: "
+                     f"{options_lib.differing_fields(old.get('settings', {}), d)}). Resume with the same config "
+                     "or use a new --workdir.")
   atomic.write_json(path, {"fingerprint": value, "settings": d})
 
 
-def _cell_config(config, ids: Sequence[int], seed: int) -> ml_collections.ConfigDict:
-  """The training config of one cell: the shared budget, this set's ids and this seed."""
-  d = config.to_dict()
-  d.pop("compare", None)  # a cell's training must not depend on which other cells exist
-  d["layers"] = tuple(int(i) for i in ids)
-  cell = ml_collections.ConfigDict(d)
-  cell.selection.path = ""
-  cell.selection.strategy = ""
-  cell.seed = int(seed)
-  cell.train.stop_after = 0
-  return cell
+def cell_recipe(recipe: Recipe, seed: int) -> Recipe:
+  """One cell's training recipe: the shared budget with this seed, run to its end (no `stop_after`)."""
+  return dataclasses.replace(recipe, seed=int(seed), train=dataclasses.replace(recipe.train, stop_after=0))
 
 
 # -- evaluation --------------------------------------------------------------------------------------
@@ -386,7 +324,7 @@ def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings
 # -- the run -------------------------------------------------------------------------------------------
 
 
-def _analysis_record(config, workdir: str) -> tuple[dict, str]:
+def _analysis_record(config, workdir: str) -> report_lib.AnalysisRecord:
   """layer_stats.json of `compare.analysis`, or of the analysis stage run (once) into W/analysis."""
   path = config.compare.analysis
   if not path:
@@ -394,16 +332,11 @@ def _analysis_record(config, workdir: str) -> tuple[dict, str]:
     if not os.path.exists(os.path.join(path, "layer_stats.json")):
       logging.info("Stage 1/3: analysis (entropy and CKA of every layer) into %s", path)
       analyze.run(config, path)
-  stats_path = path if path.endswith(".json") else os.path.join(path, "layer_stats.json")
-  if not os.path.exists(stats_path):
-    raise FileNotFoundError(f"compare.analysis={config.compare.analysis!r}: {stats_path} does not exist; run "
-                            "experiments/analyze.py first or leave compare.analysis empty to run it here.")
-  with open(stats_path) as f:
-    record = json.load(f)
-  if record["model"]["name"] != config.model:
-    raise ValueError(f"{stats_path} was computed for {record['model']['name']!r}, not config.model="
+  record = report_lib.read_layer_stats(path)
+  if record.model["name"] != config.model:
+    raise ValueError(f"{record.path} was computed for {record.model['name']!r}, not config.model="
                      f"{config.model!r}.")
-  return record, stats_path
+  return record
 
 
 def _cell_dir(workdir: str, layer_set: LayerSet, seed: int) -> str:
@@ -418,7 +351,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   seeds = cmp.seed_list
   os.makedirs(workdir, exist_ok=True)
   metrics_lib.quiet_library_logs()
-  record, stats_path = _analysis_record(config, workdir)
+  record = _analysis_record(config, workdir)
+  recipe = Recipe.from_config(config)
   sets = layer_sets(record, cmp)
   unique = {}
   for s in sets:
@@ -450,7 +384,9 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s %s seed %d — training (ETA of the comparison %.0f min)", i + 1, len(cells),
                  s.name, list(s.ids), seed, eta / 60)
     tic = time.perf_counter()
-    train = loop.run(_cell_config(config, s.ids, seed), cell_dir)
+    layers = selection_lib.LayerSelection(ids=s.ids, num_layers=record.num_layers,
+                                          hidden_size=record.hidden_size, strategy=s.name)
+    train = loop.train(target, layers, cell_recipe(recipe, seed), cell_dir)
     train_seconds = time.perf_counter() - tic
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
                  ", ".join(prompts))
@@ -468,8 +404,8 @@ def run(config, workdir: str) -> dict[str, Any]:
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
   summary = summarize(sets, results, seeds, cmp, prompts)
-  summary["analysis"] = stats_path
-  summary["budget"] = budget_of(config)
+  summary["analysis"] = record.path
+  summary["budget"] = budget_of(recipe)
   summary["eval_settings"] = {"datasets": list(prompts), "prompts_per_dataset": cmp.num_prompts,
                               "max_new_tokens": cmp.max_new_tokens, "temperatures": list(cmp.temperatures),
                               "method": settings.spec.method, "num_draft_tokens": settings.spec.num_draft_tokens,
@@ -483,11 +419,10 @@ def run(config, workdir: str) -> dict[str, Any]:
   return summary
 
 
-def budget_of(config) -> dict[str, Any]:
+def budget_of(recipe: Recipe) -> dict[str, Any]:
   """The training budget every cell shares."""
-  t = options_lib.from_section(TrainOptions, config.train, "train")
-  d = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model")
-  length = options_lib.from_section(DataOptions, config.data, "data").max_length
+  t, d = recipe.train, recipe.draft_model
+  length = recipe.data.max_length
   return {"num_steps": t.num_steps, "batch_size": t.batch_size, "max_length": length, "lr": t.lr,
           "ttt_steps": t.ttt_steps, "draft_vocab_size": d.vocab_size, "draft_layers": d.num_layers,
           "tokens_per_cell": t.num_steps * t.batch_size * length}

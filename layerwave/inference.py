@@ -68,6 +68,8 @@ class Target:
     tokenizer: a transformers tokenizer with the chat template, or None if the checkpoint has none.
     mesh: the device mesh the parameters live on.
     path: the local checkpoint directory.
+    spec: what `load_target` was given (a short name, a directory, a `.gguf` file): what records of a run
+      name the target by, so that `load_target(spec)` loads it again.
   """
 
   config: ModelConfig
@@ -76,6 +78,7 @@ class Target:
   tokenizer: Any
   mesh: Mesh
   path: str | None = None
+  spec: str | None = None
 
   @property
   def model(self) -> Transformer:
@@ -235,7 +238,7 @@ def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
   del tensors
   graphdef, params = nnx.split(model)
   return Target(config=config, graphdef=graphdef, params=params, tokenizer=_load_tokenizer(path),
-                mesh=mesh, path=path)
+                mesh=mesh, path=path, spec=str(spec))
 
 
 def _load_tokenizer(path: str):

@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LEGACY_STRING_FIELDS", "convert", "fingerprint", "from_section", "legacy_config_json"]
+__all__ = ["convert", "differing_fields", "fingerprint", "from_section"]
 
 # What each tuple kind looks like, for errors.
 _EXAMPLES = {int: "comma-separated integers like 2,15,27 (or a tuple (2, 15, 27))",
@@ -136,36 +136,23 @@ def fingerprint(value: Any) -> str:
   return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
-# Config fields that were comma strings until they became tuples (issue 11); `compare.manual` still is one.
-LEGACY_STRING_FIELDS = ("layers", "analysis.strategies", "compare.sets", "compare.lams", "compare.datasets",
-                        "compare.temperatures", "compare.manual")
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
 
 
-def _legacy_string(value: Any) -> Any:
-  """A list field as the old configs wrote it: (2, 15, 27) → "2,15,27", (0.25, 4.0) → "0.25,4",
-  ((1, 2), (3, 4)) → "1,2;3,4"; a string stays as it is."""
-  if not isinstance(value, (list, tuple)):
-    return value
-  if any(isinstance(v, (list, tuple)) for v in value):
-    return ";".join(_legacy_string(v) for v in value)
-  return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-
-
-def legacy_config_json(config) -> dict:
-  """The config as JSON with each of `LEGACY_STRING_FIELDS` back in its old comma-string form.
-
-  Workdirs written before those fields were tuples recorded a hash of this (training's and the comparison's
-  fingerprints); the stages accept it beside the hash of their typed options, so such workdirs resume.
-  """
-  d = json.loads(config.to_json_best_effort())
-  for path in LEGACY_STRING_FIELDS:
-    *parents, leaf = path.split(".")
-    node = d
-    for p in parents:
-      node = node.get(p) if isinstance(node, dict) else None
-    if isinstance(node, dict) and leaf in node:
-      node[leaf] = _legacy_string(node[leaf])
-  return d
+def differing_fields(recorded: Mapping[str, Any], current: Mapping[str, Any], limit: int = 8) -> str:
+  """The dotted names of the settings that differ between two nested records, for a refused resume's error
+  ("train.lr, seed"; at most `limit`, then "...")."""
+  a, b = _flat(dict(recorded)), _flat(dict(current))
+  # JSON turns tuples into lists: compare them as lists.
+  norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
+  diff = [k for k in sorted(set(a) | set(b)) if norm(a.get(k)) != norm(b.get(k))]
+  return ", ".join(diff[:limit]) + (" ..." if len(diff) > limit else "") if diff else "none recorded"
 
 
 def from_section(cls, section, name: str, *, aliases: Mapping[str, str] | None = None, **overrides):

@@ -6,7 +6,6 @@ the refusal of a different config.
 """
 
 import dataclasses
-import hashlib
 import itertools
 import json
 import os
@@ -19,9 +18,8 @@ import pytest
 
 from layerwave import compare
 from layerwave import selection
-from layerwave.data.options import DataOptions
+from layerwave.analysis import report
 from layerwave.speculative import evaluate
-from layerwave.training.options import TrainOptions
 
 from tests import configs
 
@@ -37,15 +35,17 @@ def _record(seed=0, unfiltered=True):
   c = np.abs(np.corrcoef(x))
   stats = {"prompt_entropy": e.tolist(), "prompt_entropy_normalized": (e / 5).tolist(),
            "dataset_entropy": e.tolist(), "dataset_entropy_normalized": (e / 5).tolist(),
-           "cka_minibatch": c.tolist(), "cka_exact": None}
+           "cka_minibatch": c.tolist(), "cka_exact": None, "num_tokens": 1000, "num_prompts": 10,
+           "num_sequences": 10, "num_hsic_batches": 4, "num_exact_tokens": 0}
   e2 = e[::-1].copy()
   other = dict(stats, prompt_entropy=e2.tolist())
-  return {"model": {"name": "m", "num_layers": L, "hidden_size": 64},
-          "settings": {"selection": {"k": 3, "lam": 1.0, "min_gap": 0, "seed": 0, "include_embeddings": False,
-                                     "include_final": False}},
-          "compartments": {"blocks": [[1, 4], [4, 8], [8, 12]]},
-          "selection_inputs": {"granularity": "prompt", "normalized_entropy": False, "cka": "minibatch"},
-          "filtered": stats, "unfiltered": other if unfiltered else None}
+  return report.AnalysisRecord.from_content({
+      "model": {"name": "m", "num_layers": L, "hidden_size": 64},
+      "settings": {"selection": {"k": 3, "lam": 1.0, "min_gap": 0, "seed": 0, "include_embeddings": False,
+                                 "include_final": False, "granularity": "prompt", "normalized_entropy": False,
+                                 "cka": "minibatch"}},
+      "compartments": {"blocks": [[1, 4], [4, 8], [8, 12]]},
+      "filtered": stats, "unfiltered": other if unfiltered else None})
 
 
 def _compare(**overrides):
@@ -69,8 +69,7 @@ def _brute(e, c, lam):
 
 def test_layer_sets_match_brute_force_references():
   record = _record()
-  e = np.asarray(record["filtered"]["prompt_entropy"])
-  c = np.asarray(record["filtered"]["cka_minibatch"])
+  e, c = record.filtered.prompt_entropy, record.filtered.cka_minibatch
   sets = {s.name: s for s in compare.layer_sets(record, _compare())}
   assert sets["eagle3"].ids == selection.eagle3_layer_ids(L) == (2, 6, 9)
   assert sets["eagle3"].kind == "baseline" and sets["exhaustive"].kind == "strategy"
@@ -79,7 +78,7 @@ def test_layer_sets_match_brute_force_references():
   assert sets["entropy"].ids == tuple(sorted(np.argsort(-e[1:L])[:3] + 1))
   assert sets["entropy_only"].ids == sets["entropy"].ids == sets["lam=0"].ids
   assert sets["lam=4"].ids == _brute(e, c, 4.0)[0]
-  assert sets["nofilter"].ids == _brute(np.asarray(record["unfiltered"]["prompt_entropy"]), c, 1.0)[0]
+  assert sets["nofilter"].ids == _brute(record.unfiltered.prompt_entropy, c, 1.0)[0]
   least = min(itertools.combinations(range(1, L), 3),
               key=lambda s: sum(c[a, b] for a, b in itertools.combinations(s, 2)))
   assert sets["cka_only"].ids == tuple(least)
@@ -211,49 +210,6 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
     compare.check_workdir(str(tmp_path), other)
 
 
-def _old_fingerprint(config) -> tuple[str, dict]:
-  """compare.fingerprint as it was before the typed options: a hash of the config's JSON, list fields as
-  comma strings."""
-  d = json.loads(config.to_json_best_effort())
-  for key in ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only"):
-    d["compare"].pop(key)
-  for key in ("stop_after", "log_every", "eval_every", "checkpoint_every"):
-    d["train"].pop(key)
-  for key in ("draft", "layers", "selection", "seed"):
-    d.pop(key)
-  if not d["compare"]["speedup"]:
-    d["speculate"].pop("timing_repeats")
-  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16], d
-
-
-def test_a_workdir_with_the_legacy_fingerprint_resumes(tmp_path):
-  old_style = _config().to_dict()  # the :smoke config as it was written before its list fields were tuples
-  old_style["analysis"]["strategies"] = "eagle3,entropy,greedy,exhaustive,compartment,random"
-  old_style["compare"].update(sets="eagle3,exhaustive", lams="", datasets="mtbench", temperatures="0")
-  for key in ("distill", "features"):  # what was added since
-    old_style.pop(key)
-  for key in ("features", *TrainOptions.LATE_DEFAULTS):
-    old_style["train"].pop(key)
-  for key in DataOptions.LATE_DEFAULTS:
-    old_style["data"].pop(key)
-  value, settings = _old_fingerprint(ml_collections.ConfigDict(old_style))
-  assert compare.legacy_fingerprint(_config())[0] == value != compare.fingerprint(_config())[0]
-  with open(tmp_path / "compare.json", "w") as f:
-    json.dump({"fingerprint": value, "settings": settings}, f)
-  compare.check_workdir(str(tmp_path), _config())  # resumes
-  grown = _config()
-  grown.compare.sets = ("eagle3", "exhaustive", "greedy")
-  compare.check_workdir(str(tmp_path), grown)  # more sets: the same cells
-  for edit, field in ((lambda c: setattr(c.train, "lr", 0.5), r"train\.lr"),
-                      (lambda c: setattr(c.compare, "temperatures", (0.0, 1.0)), r"compare\.temperatures")):
-    other = _config()
-    edit(other)
-    with pytest.raises(ValueError, match=r"different config .*" + field):
-      compare.check_workdir(str(tmp_path), other)
-  with open(tmp_path / "compare.json") as f:
-    assert json.load(f)["fingerprint"] == value  # a resumed workdir keeps its record
-
-
 def test_timing_repeats_fix_the_cells_only_when_speedups_are_timed(tmp_path):
   config = _config()  # :smoke times speedups
   compare.check_workdir(str(tmp_path / "timed"), config)
@@ -263,7 +219,6 @@ def test_timing_repeats_fix_the_cells_only_when_speedups_are_timed(tmp_path):
     compare.check_workdir(str(tmp_path / "timed"), other)
   untimed = _config()
   untimed.compare.speedup = False
-  del untimed.speculate.timing_repeats  # a workdir recorded before the field existed
   compare.check_workdir(str(tmp_path / "untimed"), untimed)
   resumed = _config()
   resumed.compare.speedup = False

@@ -96,14 +96,11 @@ def test_aliases_read_a_field_under_its_config_name():
     options.from_section(_Lists, {"enabled": 1}, "sec", aliases={"on": "enabled"})
 
 
-def test_legacy_config_json_writes_list_fields_as_the_old_comma_strings():
-  c = ml_collections.ConfigDict({"layers": (2, 15, 27), "mesh": (("data", -1),), "train": {"lr": 0.1},
-                                 "compare": {"lams": (0.25, 4.0), "temperatures": (0.0, 1.0), "sets": ("a", "b"),
-                                             "manual": "1,2;3,4", "datasets": ()},
-                                 "analysis": {"strategies": "eagle3,greedy"}})
-  d = options.legacy_config_json(c)
-  assert d["layers"] == "2,15,27" and d["mesh"] == [["data", -1]] and d["train"] == {"lr": 0.1}
-  assert d["compare"] == {"lams": "0.25,4", "temperatures": "0,1", "sets": "a,b", "manual": "1,2;3,4",
-                          "datasets": ""}
-  assert d["analysis"]["strategies"] == "eagle3,greedy"  # already a string: unchanged
-  assert options.legacy_config_json(ml_collections.ConfigDict({"seed": 0})) == {"seed": 0}
+def test_differing_fields_name_what_changed_between_two_records():
+  recorded = {"seed": 0, "train": {"lr": 0.1, "widths": [128, 256]}, "data": {"source": "a"}}
+  assert options.differing_fields(recorded, {"seed": 0, "train": {"lr": 0.1, "widths": (128, 256)},
+                                             "data": {"source": "a"}}) == "none recorded"
+  assert options.differing_fields(recorded, {"seed": 1, "train": {"lr": 0.2, "widths": (128,)},
+                                             "data": {}}) == "data.source, seed, train.lr, train.widths"
+  many = {f"f{i}": i for i in range(10)}
+  assert options.differing_fields({}, many, limit=3) == "f0, f1, f2 ..."

@@ -28,7 +28,8 @@ from layerwave.analysis import stats as stats_lib
 
 __all__ = ["SelectionOptions", "selection_options_from_config", "data_hash", "informativeness", "cka_matrix",
            "find_compartments", "run_selections", "stability_report", "layer_stats_record",
-           "selection_file_record", "load_selections", "summary_table"]
+           "AnalysisRecord", "read_layer_stats", "selection_file_record", "load_selections", "read_selection",
+           "summary_table"]
 
 _GRANULARITIES = ("prompt", "dataset")
 _CKA_MODES = ("minibatch", "exact")
@@ -258,6 +259,85 @@ def layer_stats_record(result, *, model: dict, data: dict, options: SelectionOpt
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class AnalysisRecord:
+  """`layer_stats.json` read back (`read_layer_stats`): what later stages select from, typed.
+
+  Attributes:
+    model: {"name", "num_layers", "hidden_size", "vocab_size"} of the analysed target.
+    selection: the selection settings the analysis ran with (k, λ, min_gap, candidates, E and C kinds).
+    filtered: statistics over the tokens the filter kept.
+    unfiltered: the matched control without the filter, or None when the analysis skipped it.
+    blocks: the compartments of the filtered CKA, as [start, end) id ranges.
+    content: the whole record (plots and tables read it as written).
+    path: the file it was read from.
+  """
+
+  model: dict
+  selection: SelectionOptions
+  filtered: stats_lib.LayerStats
+  unfiltered: stats_lib.LayerStats | None
+  blocks: tuple[tuple[int, int], ...]
+  content: dict
+  path: str = ""
+
+  @property
+  def num_layers(self) -> int:
+    return int(self.model["num_layers"])
+
+  @property
+  def hidden_size(self) -> int:
+    return int(self.model["hidden_size"])
+
+  @property
+  def candidates(self) -> tuple[int, ...]:
+    """The ids a selection may choose (the analysis' candidates)."""
+    return tuple(selection_lib.default_candidates(self.num_layers, self.selection.include_embeddings,
+                                                  self.selection.include_final))
+
+  def arrays(self, which: str = "filtered") -> tuple[np.ndarray, np.ndarray]:
+    """(E [L+1], C [L+1, L+1]) of the filtered or unfiltered statistics, as the selection reads them."""
+    stats = self.filtered if which == "filtered" else self.unfiltered
+    if stats is None:
+      raise ValueError(f"{self.path or 'layer_stats.json'} has no {which!r} statistics; for the 'nofilter' "
+                       "ablation run the analysis with analysis.unfiltered='matched' (the default).")
+    return informativeness(stats, self.selection), cka_matrix(stats, self.selection)
+
+  @classmethod
+  def from_content(cls, content: dict, path: str = "") -> AnalysisRecord:
+    """From `layer_stats_record`'s dict."""
+    unfiltered = content.get("unfiltered")
+    return cls(model=dict(content["model"]),
+               selection=options_lib.from_section(SelectionOptions, content["settings"]["selection"],
+                                                  "layer_stats.settings.selection"),
+               filtered=stats_lib.LayerStats.from_dict(content["filtered"]),
+               unfiltered=stats_lib.LayerStats.from_dict(unfiltered) if unfiltered else None,
+               blocks=tuple(tuple(int(i) for i in b) for b in content["compartments"]["blocks"]),
+               content=content, path=str(path))
+
+
+def read_layer_stats(path: str | os.PathLike) -> AnalysisRecord:
+  """Reads `layer_stats.json` (a file, or the analysis workdir holding it).
+
+  Raises:
+    FileNotFoundError: no such file (with the command that writes one).
+    ValueError: a file that is not an analysis record.
+  """
+  path = str(path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "layer_stats.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist; run experiments/analyze.py --workdir=W first (it writes "
+                            "W/layer_stats.json).")
+  with open(path) as f:
+    content = json.load(f)
+  missing = [k for k in ("model", "settings", "filtered", "compartments") if k not in content]
+  if missing:
+    raise ValueError(f"{path} is not a layer_stats.json written by experiments/analyze.py: it lacks "
+                     f"{', '.join(missing)}.")
+  return AnalysisRecord.from_content(content, path)
+
+
 def selection_file_record(selections: dict[str, selection_lib.LayerSelection]) -> dict:
   """The content of `selection.json`: {strategy: LayerSelection.to_dict()}."""
   return {name: sel.to_dict() for name, sel in selections.items()}
@@ -265,15 +345,40 @@ def selection_file_record(selections: dict[str, selection_lib.LayerSelection]) -
 
 def load_selections(path: str | os.PathLike, num_layers: int | None = None,
                     hidden_size: int | None = None) -> dict[str, selection_lib.LayerSelection]:
-  """Reads `selection.json` back into validated `LayerSelection`s (checked against L, D when given)."""
+  """Reads `selection.json` back into validated `LayerSelection`s (checked against L, D when given).
+
+  The file is what `selection_file_record` writes ({strategy: record}); a single record (a hand-written
+  `{"ids": [...], ...}`) reads as {its strategy, or "manual": record}.
+
+  Raises:
+    FileNotFoundError: no such file (with the command that writes one).
+    ValueError: a record that is not a valid selection for this target.
+  """
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Selection file {path} does not exist; run experiments/analyze.py first "
+                            "(it writes W/selection.json) or give the layers: --config.layers=2,15,27.")
   with open(path) as f:
     raw = json.load(f)
+  if isinstance(raw, dict) and "ids" in raw:
+    raw = {raw.get("strategy", "manual"): raw}
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path} is not a selection file: it holds a {type(raw).__name__}, not "
+                     "{strategy: record} as experiments/analyze.py writes it.")
   out = {}
   for name, d in raw.items():
     sel = selection_lib.LayerSelection.from_dict(d)
     sel.validate_for(num_layers, hidden_size)
     out[name] = sel
   return out
+
+
+def read_selection(path: str | os.PathLike, strategy: str, num_layers: int | None = None,
+                   hidden_size: int | None = None) -> selection_lib.LayerSelection:
+  """One strategy's record of a selection file (`load_selections`), or an error listing the strategies."""
+  selections = load_selections(path, num_layers, hidden_size)
+  if strategy not in selections:
+    raise ValueError(f"Selection file {path} has no strategy {strategy!r}; it has {sorted(selections)}.")
+  return selections[strategy]
 
 
 def summary_table(record: dict, selections: dict[str, selection_lib.LayerSelection]) -> str:

@@ -117,6 +117,15 @@ class LayerStats:
       out[f.name] = v.tolist() if isinstance(v, np.ndarray) else v
     return out
 
+  @classmethod
+  def from_dict(cls, d: dict) -> LayerStats:
+    """The inverse of `as_dict` (arrays as float64)."""
+    arrays = {"prompt_entropy", "prompt_entropy_normalized", "dataset_entropy", "dataset_entropy_normalized",
+              "cka_minibatch", "cka_exact"}
+    fields = {f.name for f in _dc.fields(cls)}
+    return cls(**{k: (np.asarray(v, np.float64) if k in arrays and v is not None else v)
+                  for k, v in d.items() if k in fields})
+
 
 def init(
     num_layers_plus_one: int,

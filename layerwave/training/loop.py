@@ -1,4 +1,6 @@
-"""Draft training, end to end: `run(config, workdir)` (called by experiments/train_draft.py and notebooks).
+"""Draft training, end to end: `train(target, layers, recipe, workdir)` over typed objects (`layerwave.compare`
+calls it for every cell with the target it holds), and `run(config, workdir)`, its adapter for
+experiments/train_draft.py and notebooks.
 
 target + LayerSelection → ShareGPT chat dataset (tfds array_record) → draft vocabulary → online
 data-parallel TTT training with periodic held-out evaluation → orbax checkpoints in `workdir/checkpoints`
@@ -20,8 +22,6 @@ Legend (`layerwave.axes`): D target width, V target vocabulary, V_d draft vocabu
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -39,38 +39,16 @@ from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
+from layerwave.analysis import report as report_lib
 from layerwave.data.options import DataOptions
-from layerwave.generate import compute_dtype
-from layerwave.inference import Target, load_target, target_fingerprint
+from layerwave.inference import Target, compute_dtype, load_target, target_fingerprint
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features as features_lib
 from layerwave.training import losses
 from layerwave.training import restore
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
-from layerwave.training.options import DraftModelOptions, TrainOptions
-def read_selection(path: str, strategy: str, num_layers: int, hidden_size: int
-                   ) -> selection_lib.LayerSelection:
-  """Reads one strategy's record from a selection file (one record, or records keyed by strategy)."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"Selection file {path} does not exist; run experiments/analyze.py first "
-                            "or give --config.layers=2,15,27.")
-  with open(path) as f:
-    content = json.load(f)
-  if isinstance(content, dict) and "ids" in content:
-    records = {content.get("strategy", "manual"): content}
-  elif isinstance(content, dict):
-    records = content.get("selections", content)
-  else:
-    records = {r["strategy"]: r for r in content}
-  if strategy not in records:
-    raise ValueError(f"Selection file {path} has no strategy {strategy!r}; it has "
-                     f"{sorted(records)}.")
-  record = selection_lib.LayerSelection.from_dict(records[strategy])
-  record.validate_for(num_layers, hidden_size)
-  return record
-
-
+from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
   """The layers to train on: `config.layers` ids, or (when it is empty) a strategy from `config.selection.path`."""
   c = target.config
@@ -83,51 +61,29 @@ def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
   if not config.selection.path or not config.selection.strategy:
     raise ValueError("Give the draft's layers: --config.layers=2,15,27, or --config.selection.path="
                      "W/selection.json with --config.selection.strategy=NAME.")
-  return read_selection(config.selection.path, config.selection.strategy, c.num_layers,
-                        c.hidden_size)
+  return report_lib.read_selection(config.selection.path, config.selection.strategy, c.num_layers,
+                                   c.hidden_size)
 
 
-def fingerprint_settings(config, ids: Sequence[int]) -> dict[str, Any]:
-  """Every setting that fixes what a training run computes, from the typed options (`dataclasses.asdict`).
+def fingerprint_settings(target: Target, recipe: Recipe, ids: Sequence[int]) -> dict[str, Any]:
+  """Every setting that fixes what a training run computes.
 
-  The target (`model`, `dtype`), `seed`, the layer ids trained on, `data`, `draft_model` and `train` less
-  `TrainOptions.RESUMABLE` (run length, logging, evaluation), less `LATE_DEFAULTS` fields at their defaults,
-  and less `features`: a feature store enters by its own fingerprint (checkpoint meta `feature_store`,
-  checked with its own error), not by its path, so a moved store still resumes. Not the mesh: the global
-  batch fixes the computation, so a run resumes on another number of devices.
+  The target (the name it was loaded by and its compute dtype), the layer ids trained on and the recipe
+  (`Recipe.fingerprint_settings`: less the run length, logging and evaluation, less `train.features`, which
+  enters by the store's own fingerprint). Not the mesh: the global batch fixes the computation, so a run
+  resumes on another number of devices.
   """
-  train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
-  for key in TrainOptions.RESUMABLE + ("features",):
-    train.pop(key)
-  TrainOptions.drop_late_defaults(train)
-  return {"model": config.model, "dtype": config.dtype, "seed": options_lib.convert(config.seed, int, "seed"),
-          "layers": [int(i) for i in ids], "train": train,
-          "draft_model": dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
-                                                                     "draft_model")),
-          "data": options_lib.from_section(DataOptions, config.data, "data").record()}
+  return {"model": target.spec or target.path, "dtype": _dtype_name(target),
+          "layers": [int(i) for i in ids], **recipe.fingerprint_settings()}
 
 
-def config_fingerprint(config, ids: Sequence[int]) -> str:
+def config_fingerprint(target: Target, recipe: Recipe, ids: Sequence[int]) -> str:
   """The hash of `fingerprint_settings`, recorded in every checkpoint: a resume under another is refused."""
-  return options_lib.fingerprint(fingerprint_settings(config, ids))
+  return options_lib.fingerprint(fingerprint_settings(target, recipe, ids))
 
 
-def legacy_config_fingerprint(config) -> str:
-  """The fingerprint checkpoints recorded before the typed options: a hash of the config's JSON (list fields
-  as comma strings) less the run-length fields and the other stages' sections. Accepted on resume, so that
-  those workdirs still resume."""
-  d = options_lib.legacy_config_json(config)
-  for key in TrainOptions.RESUMABLE:
-    d.get("train", {}).pop(key, None)
-  TrainOptions.drop_late_defaults(d.get("train", {}))
-  DataOptions.drop_late_defaults(d.get("data", {}))
-  # Sections newer than those workdirs: the other stages' (distill, features); training reads their output by
-  # path. train.features: where the features come from is checked apart (the store's fingerprint, in the
-  # checkpoint meta), so a moved store still resumes and online workdirs from before the field resume.
-  for key in ("draft", "speculate", "analysis", "distill", "features"):
-    d.pop(key, None)
-  d.get("train", {}).pop("features", None)
-  return options_lib.fingerprint(d)
+def _dtype_name(target: Target) -> str:
+  return str(jnp.dtype(compute_dtype(target.graphdef, target.params)))
 
 
 def load_data(data: DataOptions, target: Target):
@@ -257,8 +213,7 @@ def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, ba
                                         hidden_size=target.config.hidden_size, strategy="manual")
   seq_len = seq_len or store.seq_len
   data = options_lib.from_section(DataOptions, {**store.header.get("data", {}), "max_length": seq_len}, "data")
-  dtype = str(jnp.dtype(compute_dtype(target.graphdef, target.params)))
-  _, _, heldout = load_store(path, data, target, record, dtype, own_data=True)
+  _, _, heldout = load_store(path, data, target, record, _dtype_name(target), own_data=True)
   if heldout is None:
     raise ValueError(f"Feature store {path} has no heldout split; extract it with features.splits=train,heldout.")
   graphdef, params, vocab, embed = step_lib.split_draft(draft)
@@ -280,27 +235,49 @@ def _online_arrays(batch, mesh):
 
 
 def run(config, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) a draft in `workdir`, online or from a feature store; returns the final held-out
-  metrics."""
-  t = options_lib.from_section(TrainOptions, config.train, "train")
-  model = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model")
-  data = options_lib.from_section(DataOptions, config.data, "data")
-  seed = options_lib.convert(config.seed, int, "seed")  # draft initialisation and data order
+  """Trains (or resumes) a draft in `workdir` as `config` says; returns the final held-out metrics.
+
+  The launcher's adapter over `train`: parses the config's sections into a `Recipe`, joins the other
+  processes (`config.distributed`; every process must hold the same config), loads the target on the mesh
+  and resolves the layers (`config.layers`, or a strategy of `config.selection.path`).
+  """
+  recipe = Recipe.from_config(config)
   metrics_lib.quiet_library_logs()
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.check_processes_agree(config, "Draft training")
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  return train(target, resolve_selection(config, target), recipe, workdir)
+
+
+def train(target: Target, record: selection_lib.LayerSelection, recipe: Recipe, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) a draft for `target` on the layers `record` names, online or from a feature store.
+
+  Args:
+    target: the loaded target; its mesh is the training mesh (the global batch is split over 'data').
+    record: the layers the draft reads (validated against the target).
+    recipe: the budget, draft shape, data and seed; `recipe.train.features` set = offline from that store.
+    workdir: checkpoints (`W/checkpoints`) and metrics; a run there resumes from its latest checkpoint, and
+      one written under another target, recipe (less its run length) or store is refused.
+
+  Returns:
+    {"step", "layers", "tokens_per_s"} and, with a held-out split, "heldout_acc", "heldout_acc_in_vocab",
+    "heldout_sim_tau", "heldout_loss", "heldout_positions".
+  """
+  t, model, data, seed = recipe.train, recipe.draft_model, recipe.data, recipe.seed
   if target.tokenizer is None:
-    raise ValueError(f"{config.model} has no tokenizer; training data cannot be tokenised.")
-  record = resolve_selection(config, target)
+    raise ValueError(f"The target {target.spec or target.path} has no tokenizer; training data cannot be "
+                     "tokenised.")
+  record.validate_for(target.config.num_layers, target.config.hidden_size)
+  mesh = target.mesh
+  dtype = _dtype_name(target)
   sharding.check_batch(mesh, t.batch_size)
   store = None
   if t.features:
-    store, train_source, heldout = load_store(t.features, data, target, record, config.dtype)
+    store, train_source, heldout = load_store(t.features, data, target, record, dtype)
     dataset_name = store.header["dataset"]
     if t.eval_features:
-      _, _, heldout = load_store(t.eval_features, data, target, record, config.dtype, own_data=True)
+      _, _, heldout = load_store(t.eval_features, data, target, record, dtype, own_data=True)
       if heldout is None:
         raise ValueError(f"train.eval_features={t.eval_features} has no heldout split to evaluate on; extract "
                          "it with features.splits including heldout.")
@@ -308,22 +285,24 @@ def run(config, workdir: str) -> dict[str, Any]:
     dataset, train_source, heldout = load_data(data, target)
     dataset_name = dataset.name
   store_id = None if store is None else store.fingerprint
-  fingerprint = config_fingerprint(config, record.ids)
+  settings = fingerprint_settings(target, recipe, record.ids)
+  fingerprint = options_lib.fingerprint(settings)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   optimizer = t.optimizer
   latest = ckpt.latest_step()
   if latest is not None:
     meta = ckpt.read_meta(latest)
-    if meta["config_fingerprint"] not in (fingerprint, legacy_config_fingerprint(config)):
+    if meta["config_fingerprint"] != fingerprint:
+      diff = options_lib.differing_fields(meta.get("settings", {}), settings)
       raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
-                       f"{meta['config_fingerprint']} vs {fingerprint}); resume with the same config "
-                       "or use a new --workdir.")
+                       f"{meta['config_fingerprint']} vs {fingerprint}; differing fields: {diff}); resume with "
+                       "the same config or use a new --workdir.")
     if meta.get("feature_store") != store_id:
       raise ValueError(f"{workdir} holds a run trained {_source_name(meta.get('feature_store'))}, but this run "
                        f"reads {_source_name(store_id)}; resume with the same train.features or use a new "
                        "--workdir.")
-    started = meta.get("schedule_steps")  # absent in checkpoints older than this check
-    if started is not None and int(started) != t.schedule_length:
+    started = int(meta["schedule_steps"])
+    if started != t.schedule_length:
       raise ValueError(f"{workdir} started with a {started}-step learning-rate schedule; this run's is "
                        f"{t.schedule_length} steps (train.num_steps={t.num_steps}, train.schedule_steps="
                        f"{t.schedule_steps}), which would change the schedule mid-run. To train on past its end "
@@ -345,10 +324,12 @@ def run(config, workdir: str) -> dict[str, Any]:
     position = data_lib.Position.from_dict(meta["data_position"])
     logging.info("Resumed from step %d (data position %s).", int(state.step), position)
   embed = _replicate(embed, mesh)
-  base_meta = {"config_fingerprint": fingerprint, "schedule_steps": t.schedule_length,
+  base_meta = {"config_fingerprint": fingerprint, "settings": settings, "schedule_steps": t.schedule_length,
                "draft_config": draft.config.to_dict(),
                "selection": record.to_dict(), "dataset": dataset_name,
-               "config": json.loads(config.to_json_best_effort())}
+               # What restore.load_draft and release_draft read to load the target and name the run.
+               "config": {"model": target.spec or target.path, "dtype": dtype, "layers": list(record.ids),
+                          **recipe.to_dict()}}
   pad_id = int(target.tokenizer.pad_token_id or 0)
   process_index, process_count = sharding.data_position(mesh)
   iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id, process_index=process_index,

@@ -1,8 +1,9 @@
 """The draft-training stage's settings as typed, validated options: `config.train` and `config.draft_model`.
 
-Place in the pipeline: `training.loop.run` builds them once from their config sections
+Place in the pipeline: `Recipe.from_config` builds them once from their config sections
 (`layerwave.options.from_section`: every field converted to its type, a wrong kind refused naming the field);
-`__post_init__` checks ranges once, with the fix in the error. The loop then reads typed fields.
+`__post_init__` checks ranges once, with the fix in the error. `training.loop.train` then reads typed fields;
+`layerwave.compare` builds one `Recipe` and gives each cell its seed.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from layerwave import options as options_lib
+from layerwave.data.options import DataOptions
 from layerwave.training import step as step_lib
 
-__all__ = ["DraftModelOptions", "TrainOptions"]
+__all__ = ["DraftModelOptions", "Recipe", "TrainOptions"]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -104,11 +107,6 @@ class TrainOptions:
   features: str = ""
   bucket_widths: tuple[int, ...] = ()
 
-  # Fields added after workdirs existed: left out of fingerprints while they hold these defaults, so those
-  # workdirs still resume.
-  LATE_DEFAULTS: ClassVar[dict] = {"end_lr_fraction": 0.0, "freeze_head": False, "eval_ttt_steps": 0,
-                                   "eval_features": "", "bucket_widths": (), "schedule_steps": 0}
-
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
                  "checkpoint_every"):
@@ -133,16 +131,6 @@ class TrainOptions:
              f"{self.bucket_widths}; e.g. --config.train.bucket_widths=128,256 (max_length is always added).")
     _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
              f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
-
-  @classmethod
-  def drop_late_defaults(cls, train_section: dict) -> dict:
-    """Removes `LATE_DEFAULTS` fields holding their defaults from a config's train section (fingerprints)."""
-    for name, default in cls.LATE_DEFAULTS.items():
-      value = train_section.get(name, None)
-      # A tuple default is () from the typed options, [] from a config's JSON, "" in the legacy comma form.
-      if name in train_section and (value == default or default == () and value in ([], "")):
-        train_section.pop(name)
-    return train_section
 
   @property
   def optimizer(self) -> step_lib.OptimizerSettings:
@@ -169,3 +157,43 @@ class TrainOptions:
   def stop_step(self, start: int) -> int:
     """The step this invocation stops at, resuming from `start`."""
     return min(self.num_steps, start + self.stop_after) if self.stop_after else self.num_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """Everything that fixes what a training run computes besides the target and the layers it reads.
+
+  Attributes:
+    train: the budget, optimizer and training-time test.
+    draft_model: the draft's shape.
+    data: the conversations (online) or the store's checks (offline: `train.features`).
+    seed: draft initialisation and data order.
+  """
+
+  train: TrainOptions
+  draft_model: DraftModelOptions
+  data: DataOptions
+  seed: int = 0
+
+  @classmethod
+  def from_config(cls, config) -> Recipe:
+    """From a config's `train`, `draft_model`, `data` sections and its `seed`."""
+    return cls(train=options_lib.from_section(TrainOptions, config.train, "train"),
+               draft_model=options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model"),
+               data=options_lib.from_section(DataOptions, config.data, "data"),
+               seed=options_lib.convert(config.seed, int, "seed"))
+
+  def fingerprint_settings(self) -> dict:
+    """The fields a resumed run must share with its start: all but `TrainOptions.RESUMABLE` (run length,
+    logging, evaluation) and `train.features`, which enters by the store's own fingerprint (so a moved store
+    still resumes)."""
+    train = dataclasses.asdict(self.train)
+    for key in TrainOptions.RESUMABLE + ("features",):
+      train.pop(key)
+    return {"seed": self.seed, "train": train, "draft_model": dataclasses.asdict(self.draft_model),
+            "data": self.data.record()}
+
+  def to_dict(self) -> dict:
+    """Every field (JSON-friendly), as checkpoints record the recipe they were trained with."""
+    return {"seed": self.seed, "train": dataclasses.asdict(self.train),
+            "draft_model": dataclasses.asdict(self.draft_model), "data": dataclasses.asdict(self.data)}

@@ -1,26 +1,26 @@
 """Draft training end to end on the real data pipeline: resume exactness, refusals, load_draft."""
 
-import glob
-import hashlib
+import dataclasses
 import json
 import os
+from unittest import mock
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 import layerwave
 from layerwave import checkpoint as ckpt_lib
-from layerwave.data.options import DataOptions
+from layerwave import selection as selection_lib
+from layerwave.analysis import report
 from layerwave.training import curves
 from layerwave.training import loop
-from layerwave.training.options import TrainOptions
+from layerwave.training.options import Recipe
 
 
 def _params(workdir, target):
   draft = layerwave.load_draft(workdir, target)
-  from flax import nnx
   return jax.tree.leaves(nnx.state(draft, nnx.Param))
 
 
@@ -74,64 +74,28 @@ def test_resume_into_a_different_config_is_refused(tiny_config, tmp_path):
   tiny_config.train.num_steps = 2
   loop.run(tiny_config, str(tmp_path))
   tiny_config.train.lr = 5e-3
-  with pytest.raises(ValueError, match="different config"):
+  with pytest.raises(ValueError, match=r"different config.*differing fields: train\.lr\)"):
     loop.run(tiny_config, str(tmp_path))
 
 
-def _old_style(config) -> ml_collections.ConfigDict:
-  """`config` as configs wrote it before the list fields were tuples (comma strings), without the sections
-  and fields added since (distill, features, train.features, TrainOptions.LATE_DEFAULTS and
-  DataOptions.LATE_DEFAULTS)."""
-  d = config.to_dict()
-  d["layers"] = ",".join(map(str, config.layers))
-  d["analysis"]["strategies"] = ",".join(config.analysis.strategies)
-  d["compare"].update(sets=",".join(config.compare.sets), lams="", datasets="mtbench", temperatures="0")
-  for key in ("distill", "features"):
-    d.pop(key)
-  for key in ("features", *TrainOptions.LATE_DEFAULTS):
-    d["train"].pop(key)
-  for key in DataOptions.LATE_DEFAULTS:
-    d["data"].pop(key)
-  return ml_collections.ConfigDict(d)
-
-
-def _old_fingerprint(config) -> str:
-  """training.loop.config_fingerprint as it was before the typed options: a hash of the config's JSON."""
-  d = json.loads(config.to_json_best_effort())
-  for key in ("num_steps", "stop_after", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
-    d["train"].pop(key)
-  for key in ("draft", "speculate", "analysis"):
-    d.pop(key)
-  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def test_a_workdir_with_the_legacy_fingerprint_resumes(tiny_config, tmp_path):
-  assert tiny_config.compare.lams == () and tiny_config.compare.temperatures == (0.0,)  # as _old_style writes
-  legacy = _old_fingerprint(_old_style(tiny_config))
-  assert loop.legacy_config_fingerprint(tiny_config) == legacy
-  assert loop.legacy_config_fingerprint(_old_style(tiny_config)) == legacy  # an old-style config, unchanged
-  assert loop.config_fingerprint(tiny_config, (1, 2, 3)) not in (legacy, loop.config_fingerprint(
-      tiny_config, (1, 2, 4)))
-  tiny_config.train.num_steps = 2
-  loop.run(tiny_config, str(tmp_path))
-  # What a workdir written before the typed options records: the legacy fingerprint in its checkpoint meta.
-  (meta_path,) = [p for p in glob.glob(str(tmp_path / "checkpoints" / "2" / "meta" / "*"))
-                  if "config_fingerprint" in open(p).read()]
-  with open(meta_path) as f:
-    meta = json.load(f)
-  meta["config_fingerprint"] = legacy
-  del meta["schedule_steps"]  # recorded since the schedule check: older workdirs resume without it
-  with open(meta_path, "w") as f:
-    json.dump(meta, f)
-  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
-  assert ckpt.read_meta(2)["config_fingerprint"] == legacy
-  ckpt.close()
-  other = tiny_config.copy_and_resolve_references()
-  other.train.lr = 5e-3
-  with pytest.raises(ValueError, match="different config"):
-    loop.run(other, str(tmp_path))
-  tiny_config.train.num_steps = 4
-  assert loop.run(tiny_config, str(tmp_path))["step"] == 4
+def test_train_over_typed_objects_resumes_what_run_started(tiny_config, tmp_path):
+  """`loop.train(target, layers, recipe, W)` (what compare calls with the target it holds) and the launcher's
+  `loop.run(config, W)` compute the same run: a run started by one resumes under the other, exactly."""
+  full = loop.run(tiny_config, str(tmp_path / "full"))
+  target = layerwave.load_target(tiny_config.model)
+  layers = selection_lib.LayerSelection(ids=(1, 2, 3), num_layers=8, hidden_size=32, strategy="manual")
+  recipe = Recipe.from_config(tiny_config)
+  half = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, stop_after=2))
+  assert loop.train(target, layers, half, str(tmp_path / "typed"))["step"] == 2
+  assert loop.run(tiny_config, str(tmp_path / "typed")) == {**full, "tokens_per_s": mock.ANY}
+  for a, b in zip(_params(str(tmp_path / "full"), target), _params(str(tmp_path / "typed"), target)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match=r"differing fields: seed\)"):
+    loop.train(target, layers, dataclasses.replace(recipe, seed=1), str(tmp_path / "typed"))
+  with pytest.raises(ValueError, match=r"differing fields: layers"):
+    loop.train(target, dataclasses.replace(layers, ids=(1, 2, 4)), recipe, str(tmp_path / "typed"))
+  with pytest.raises(ValueError, match="out of range"):
+    loop.train(target, dataclasses.replace(layers, ids=(1, 2, 9)), recipe, str(tmp_path / "bad"))
 
 
 def test_interrupted_save_leaves_previous_checkpoint_usable(tiny_config, tmp_path):
@@ -189,4 +153,4 @@ def test_selection_file_for_another_model(tmp_path):
   path.write_text(json.dumps({"greedy": {"ids": [2, 15, 27], "num_layers": 30,
                                          "hidden_size": 576, "strategy": "greedy"}}))
   with pytest.raises(ValueError, match="30"):
-    loop.read_selection(str(path), "greedy", num_layers=4, hidden_size=32)
+    report.read_selection(str(path), "greedy", num_layers=4, hidden_size=32)

@@ -46,6 +46,7 @@ from layerwave import atomic
 from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave import sharding
+from layerwave.analysis import report as report_lib
 from layerwave.data import batching
 from layerwave.data import tfds_builders
 from layerwave.data.options import DataOptions
@@ -414,15 +415,7 @@ def default_depths(config, num_layers: int) -> tuple[int, ...]:
     return ids
   path = config.selection.path
   if path and os.path.exists(path):
-    with open(path) as f:
-      content = json.load(f)
-    if isinstance(content, dict) and "ids" in content:
-      records = [content]
-    elif isinstance(content, dict):
-      records = list(content.get("selections", content).values())
-    else:
-      records = list(content)
-    return tuple(sorted({int(i) for r in records for i in r["ids"]}))
+    return tuple(sorted({i for s in report_lib.load_selections(path).values() for i in s.ids}))
   return ()
 
 
