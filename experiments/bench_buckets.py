@@ -28,8 +28,8 @@ from ml_collections import config_flags
 import jax
 import numpy as np
 
+from layerwave import layer_ids
 from layerwave import options as options_lib
-from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.inference import load_target
 from layerwave.training import features
@@ -63,7 +63,7 @@ def main(argv):
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   store = features.open_store(_FEATURES.value)
-  layers = selection_lib.parse_layer_ids(_LAYERS.value)
+  layers = layer_ids.parse_layer_ids(_LAYERS.value)
   t, b = _SEQ_LEN.value, _BATCH.value
   split = store.split("train", t)
   pad_id = int(target.tokenizer.pad_token_id or 0)
@@ -71,7 +71,7 @@ def main(argv):
   its = {mode: features.FeatureBatchIterator(split, store.layer_slots(layers), batch_size=b, seq_len=t,
                                              pad_id=pad_id, seed=0, widths=w)
          for mode, w in (("fixed", ()), ("bucketed", widths))}
-  record = selection_lib.LayerSelection(ids=tuple(layers), num_layers=target.config.num_layers)
+  record = layer_ids.LayerSelection(ids=tuple(layers), num_layers=target.config.num_layers)
   train = options_lib.from_section(TrainOptions, config.train, "train", batch_size=b, ttt_steps=_K.value)
   model = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model", vocab_size=_VOCAB.value)
   draft = loop.new_draft(model, train, 0, target, record, split)

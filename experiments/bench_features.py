@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 from layerwave import data as data_lib
+from layerwave import layer_ids
 from layerwave import options as options_lib
-from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
 from layerwave.inference import forward_fn, load_target
@@ -218,7 +218,7 @@ def main(argv):
   config = _CONFIG.value
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
-  layers = selection_lib.parse_layer_ids(_LAYERS.value)
+  layers = layer_ids.parse_layer_ids(_LAYERS.value)
   batch = _BATCH.value
   data = options_lib.from_section(DataOptions, config.data, "data", max_length=_SEQ_LEN.value,
                                   max_records=_RECORDS.value)

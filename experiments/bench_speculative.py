@@ -24,7 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from layerwave import atomic
-from layerwave import selection
+from layerwave import layer_ids
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate
 
@@ -49,7 +49,7 @@ def main(argv):
   s = config.speculate
   base = evaluate.DecodeSettings.from_config(s)
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
-  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", ())),
+  draft = evaluate.load_draft(config.draft, target, layer_ids.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
   results = []

@@ -18,7 +18,7 @@ from absl import app
 from absl import flags
 
 from layerwave import checkpoint as ckpt_lib
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave.inference import load_target
 from layerwave.training import curves
 from layerwave.training import release
@@ -58,7 +58,7 @@ def main(argv):
     data["distilled"] = {k: distilled.get(k) for k in ("dataset", "fingerprint", "output", "prompts")}
   out = os.path.join(release.releases_root(), _NAME.value)
   manifest = release.write(draft, target, out, model=model,
-                           selection=selection_lib.LayerSelection.from_dict(meta["selection"]),
+                           selection=layer_ids.LayerSelection.from_dict(meta["selection"]),
                            dtype=_DTYPE.value, commands=_COMMANDS.value, data=data, metrics=metrics,
                            overwrite=_OVERWRITE.value)
   print(json.dumps({"release": out, "layer_ids": manifest["layer_ids"], "files": manifest["sha256"]}, indent=1))

@@ -24,7 +24,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from layerwave import atomic
-from layerwave import selection
+from layerwave import layer_ids
 from layerwave import sharding
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate
@@ -43,7 +43,7 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   chat_format = str(config.data.chat_format)
   evaluate.check_chat_format(target.tokenizer, chat_format)
-  draft = evaluate.load_draft(config.draft, target, selection.parse_layer_ids(config.get("layers", ())),
+  draft = evaluate.load_draft(config.draft, target, layer_ids.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
   items = (evaluate.question_prompt(target.tokenizer, prompt, chat_format) if prompt else
            evaluate.chat_prompts(target.tokenizer, s.dataset, int(s.num_prompts), chat_format=chat_format))

@@ -36,6 +36,7 @@ import numpy as np
 from absl import logging
 
 from layerwave import atomic
+from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import plots
@@ -208,8 +209,8 @@ def layer_sets(record: report_lib.AnalysisRecord, compare: CompareOptions) -> li
     add(f"random-{i}", select("random", seed_=s), "random", f"k random candidates (seed {s})")
   for i, ids in enumerate(compare.manual):
     try:
-      selection_lib.LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden,
-                                   strategy="manual").validate_for(num_layers, hidden)
+      layer_ids.LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden,
+                               strategy="manual").validate_for(num_layers, hidden)
     except ValueError as err:
       raise ValueError(f"compare.manual set {','.join(map(str, ids))!r} is not a valid layer set for this target "
                        f"(L={num_layers}, ids 0..{num_layers}, distinct): {err}") from err
@@ -384,8 +385,8 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s %s seed %d — training (ETA of the comparison %.0f min)", i + 1, len(cells),
                  s.name, list(s.ids), seed, eta / 60)
     tic = time.perf_counter()
-    layers = selection_lib.LayerSelection(ids=s.ids, num_layers=record.num_layers,
-                                          hidden_size=record.hidden_size, strategy=s.name)
+    layers = layer_ids.LayerSelection(ids=s.ids, num_layers=record.num_layers,
+                                      hidden_size=record.hidden_size, strategy=s.name)
     train = loop.train(target, layers, cell_recipe(recipe, seed), cell_dir)
     train_seconds = time.perf_counter() - tic
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,

@@ -45,7 +45,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave import sharding
 from layerwave.inference import Target, parse_dtype
 from layerwave.models.config import ModelConfig
@@ -149,11 +149,11 @@ def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None)
                      f"{list(top)} and eagle_config.eagle_aux_hidden_state_layer_ids {list(nested)}.")
   written = list(top or nested or [])
   if block is not None:
-    if block.get("layer_id_convention") != selection_lib.CONVENTION:
+    if block.get("layer_id_convention") != layer_ids.CONVENTION:
       raise ValueError(f"The layerwave block states layer-id convention "
-                       f"{block.get('layer_id_convention')!r}; only {selection_lib.CONVENTION!r} is written.")
-    if id_convention not in (None, selection_lib.CONVENTION):
-      raise ValueError(f"This directory was exported by layerwave with {selection_lib.CONVENTION} ids; "
+                       f"{block.get('layer_id_convention')!r}; only {layer_ids.CONVENTION!r} is written.")
+    if id_convention not in (None, layer_ids.CONVENTION):
+      raise ValueError(f"This directory was exported by layerwave with {layer_ids.CONVENTION} ids; "
                        f"id_convention={id_convention!r} contradicts it.")
     ids = tuple(int(i) for i in block["layer_ids"])
     if written and tuple(written) != ids:
@@ -161,15 +161,15 @@ def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None)
       if tuple(written) == tuple(i - 1 for i in ids):
         hint = " (they are its block-output ids: someone converted them for SpecForge / old SGLang)"
       raise ValueError(f"eagle_aux_hidden_state_layer_ids {written} disagree with the layerwave block's "
-                       f"{selection_lib.CONVENTION} ids {list(ids)}{hint}.")
+                       f"{layer_ids.CONVENTION} ids {list(ids)}{hint}.")
     want_block = block.get("block_output_layer_ids")
     if want_block is not None and tuple(want_block) != tuple(i - 1 for i in ids):
       raise ValueError(f"The layerwave block's block_output_layer_ids {list(want_block)} are not its "
                        f"hf ids {list(ids)} minus one: the record mixes conventions.")
     return ids
   if not written:  # both engines then capture EAGLE-3's default, before blocks (2, L//2, L-3)
-    return selection_lib.eagle3_layer_ids(num_layers)
-  written = [selection_lib.as_layer_id(i) for i in written]
+    return layer_ids.eagle3_layer_ids(num_layers)
+  written = [layer_ids.as_layer_id(i) for i in written]
   convention = id_convention
   if convention is None:
     if min(written) <= 1:  # the engines disagree: see engine_layer_ids
@@ -180,13 +180,13 @@ def _resolve_layer_ids(config: dict, num_layers: int, id_convention: str | None)
           f"eagle_aux_hidden_state_layer_ids {written} start at {min(written)}, which the engines read "
           f"differently: {how}; SGLang as block outputs (layers {as_block}), the way SpecForge-trained "
           "drafts count. Pass id_convention='block_outputs' (a SpecForge / SGLang draft) or "
-          f"id_convention='{selection_lib.CONVENTION}' (a draft made for vLLM) to load_eagle3.")
-    convention = selection_lib.CONVENTION  # first id >= 2: vLLM and SGLang >= PR #25454 agree
-  if convention == selection_lib.CONVENTION:
+          f"id_convention='{layer_ids.CONVENTION}' (a draft made for vLLM) to load_eagle3.")
+    convention = layer_ids.CONVENTION  # first id >= 2: vLLM and SGLang >= PR #25454 agree
+  if convention == layer_ids.CONVENTION:
     return tuple(written)
   if convention == "block_outputs":
-    return selection_lib.from_block_outputs(written, num_layers)
-  raise ValueError(f"Unknown id_convention {id_convention!r}: use {selection_lib.CONVENTION!r} (vLLM) "
+    return layer_ids.from_block_outputs(written, num_layers)
+  raise ValueError(f"Unknown id_convention {id_convention!r}: use {layer_ids.CONVENTION!r} (vLLM) "
                    "or 'block_outputs' (SpecForge / SGLang's explicit ids).")
 
 
@@ -237,7 +237,7 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
       max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=False,
       attention_bias=False, qk_norm=False)
   # LayerSelection validates range, order and uniqueness with the convention named in its errors.
-  selection_lib.LayerSelection(ids=ids, num_layers=t.num_layers, hidden_size=t.hidden_size)
+  layer_ids.LayerSelection(ids=ids, num_layers=t.num_layers, hidden_size=t.hidden_size)
   if tuple(sorted(set(ids))) != tuple(ids):
     raise ValueError(f"Layer ids {list(ids)} must be sorted and unique: fc's input chunks follow their "
                      "order.")
@@ -364,7 +364,7 @@ def load_eagle3(directory: str, target: Target, *, id_convention: str | None = N
   dcfg.check_target(t)
   block = config.get("layerwave")
   if block is not None:
-    selection_lib.LayerSelection.from_dict(block["selection"]).validate_for(t.num_layers, t.hidden_size)
+    layer_ids.LayerSelection.from_dict(block["selection"]).validate_for(t.num_layers, t.hidden_size)
     if tuple(block["selection"]["ids"]) != ids:
       raise ValueError(f"The layerwave selection record's ids {block['selection']['ids']} differ from "
                        f"the draft's {list(ids)}.")

@@ -34,7 +34,7 @@ from flax import nnx
 
 from layerwave import atomic
 from layerwave import eagle3
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave.eagle3 import (ARCHITECTURE, ENGINES, engine_layer_ids, engine_note, is_eagle3_dir,
                               load_eagle3, read_config, read_tensors)
 from layerwave.inference import Target
@@ -116,12 +116,12 @@ def draft_tensors(draft: Draft, include_embedding: bool = False) -> dict[str, np
   return out
 
 
-def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str = "float32") -> dict:
+def eagle3_config(draft: Draft, record: layer_ids.LayerSelection, dtype: str = "float32") -> dict:
   """config.json for an EAGLE-3 draft (fields as vLLM's / SGLang's `llama_eagle3.py` read them)."""
   c, m = draft.config, draft.config.model
   ids = [int(i) for i in c.layer_ids]
   try:
-    block_ids = list(selection_lib.to_block_outputs(ids, c.target_num_layers))
+    block_ids = list(layer_ids.to_block_outputs(ids, c.target_num_layers))
   except ValueError:
     block_ids = None  # id 0 (embeddings) has no "output of block j" name
   config = {
@@ -157,7 +157,7 @@ def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str
       "layerwave": {
           "format_version": eagle3.FORMAT_VERSION,
           "layer_ids": ids,
-          "layer_id_convention": selection_lib.CONVENTION,
+          "layer_id_convention": layer_ids.CONVENTION,
           "block_output_layer_ids": block_ids,
           "engine_layer_ids": engine_layer_ids(ids, c.target_num_layers),
           "engine_note": engine_note(ids, c.target_num_layers),
@@ -171,7 +171,7 @@ def eagle3_config(draft: Draft, record: selection_lib.LayerSelection, dtype: str
 
 
 def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
-                  selection: selection_lib.LayerSelection | None = None, overwrite: bool = False,
+                  selection: layer_ids.LayerSelection | None = None, overwrite: bool = False,
                   dtype: str = "float32", include_embedding: bool = False,
                   allow_first_id_1: bool = False, allow_nonstandard_k: bool = False) -> str:
   """Writes `draft` as an EAGLE-3 Hugging Face directory, atomically.
@@ -204,8 +204,8 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
   c.check_target(target.config)
   _check_exportable(c)
   if selection is None:
-    selection = selection_lib.LayerSelection(ids=c.layer_ids, num_layers=c.target_num_layers,
-                                             hidden_size=c.target_hidden_size)
+    selection = layer_ids.LayerSelection(ids=c.layer_ids, num_layers=c.target_num_layers,
+                                         hidden_size=c.target_hidden_size)
   selection.validate_for(target.config.num_layers, target.config.hidden_size)
   if tuple(selection.ids) != tuple(c.layer_ids):
     raise ValueError(f"The selection record's ids {list(selection.ids)} differ from the draft's "

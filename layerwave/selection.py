@@ -1,302 +1,37 @@
-"""Layer selection: statistics → the target layers an EAGLE-3 draft reads (docs/METHOD.md §1, §5).
+"""Layer selection: statistics → the target layers an EAGLE-3 draft reads (docs/METHOD.md §5).
 
 Place in the pipeline: `LayerStats` (per-layer informativeness E [L+1], pairwise CKA C [L+1, L+1]) →
-`select_layers` → a `LayerSelection` record saved as JSON, carried into every draft checkpoint and export, and
-validated against the target (L, D) on every load.
-
-Layer-id convention ("hf_hidden_states", the only one stored): ids index Hugging Face's `hidden_states` stack,
-[L+1, B, T, D]: 0 = embedding output, i (1 ≤ i < L) = output of decoder block i−1, L = final norm output.
-EAGLE-3's rule is (2, L//2, L−3) here — the numbers vLLM / SGLang store in `eagle_aux_hidden_state_layer_ids`.
-SpecForge and TensorRT-LLM count "output of block j" instead, i.e. hf id = block id + 1; convert only at that
-boundary with `from_block_outputs` / `to_block_outputs`. (Block outputs cover hf ids 1..L−1 and, for the last
-block, the pre-norm tensor that HF does not return — hence `to_block_outputs` refuses 0 and L.)
+`select_layers` → a `layerwave.layer_ids.LayerSelection` record (ids in the hf_hidden_states convention of
+`layerwave.layer_ids`), one per strategy, which the analysis stage writes as `selection.json` for training.
 
 Objective for a set S (exhaustive / compartment): Σ_{ℓ∈S} Ê_ℓ − λ Σ_{ℓ<m ∈ S} C_ℓm, with Ê the min-max
 normalisation of E over the candidates.
 
-Legend (`layerwave.axes`): L target layers, B batch, T tokens, D target width, k selected layers.
+Legend (`layerwave.axes`): L target layers, k selected layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from layerwave import atomic
-from layerwave import options as options_lib
+from layerwave import layer_ids
 
 __all__ = [
-    "CONVENTION",
     "STRATEGIES",
-    "LayerSelection",
-    "eagle3_layer_ids",
-    "as_layer_id",
     "exhaustive_search",
-    "parse_layer_ids",
-    "from_block_outputs",
-    "to_block_outputs",
-    "default_candidates",
     "normalize_informativeness",
-    "subset_objective",
     "select_layers",
+    "subset_objective",
 ]
 
-CONVENTION = "hf_hidden_states"
 STRATEGIES = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "random")
 _MAX_SUBSETS = 5_000_000  # exhaustive enumeration limit (C(29, 3) = 3,654 for SmolLM2-135M)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Conventions.
-
-
-def from_block_outputs(block_ids: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
-  """SpecForge / TensorRT-LLM "output of block j" ids → hf_hidden_states ids (j + 1).
-
-  Args:
-    block_ids: 0-based decoder-block indices.
-    num_layers: L, to validate the range 0 ≤ j ≤ L−2 (the last block's output is not an HF hidden state
-      before the final norm).
-
-  Returns:
-    Tuple of hf ids.
-  """
-  out = []
-  for j in block_ids:
-    j = as_layer_id(j)
-    if j < 0 or (num_layers is not None and j > num_layers - 2):
-      raise ValueError(f"block-output id {j} has no hf_hidden_states equivalent "
-                       f"(valid: 0..{'L-2' if num_layers is None else num_layers - 2})")
-    out.append(j + 1)
-  return tuple(out)
-
-
-def to_block_outputs(ids: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
-  """hf_hidden_states ids → SpecForge / TensorRT-LLM "output of block j" ids (id − 1).
-
-  Args:
-    ids: hf ids, 1 ≤ id ≤ L−1.
-    num_layers: L, to validate the upper bound.
-
-  Returns:
-    Tuple of block ids.
-  """
-  out = []
-  for i in ids:
-    i = as_layer_id(i)
-    if i < 1 or (num_layers is not None and i > num_layers - 1):
-      raise ValueError(f"hf id {i} has no block-output equivalent (0 = embeddings, L = final norm)")
-    out.append(i - 1)
-  return tuple(out)
-
-
-def eagle3_layer_ids(num_layers: int, k: int = 3) -> tuple[int, ...]:
-  """EAGLE-3's fixed rule in hf ids: (2, L//2, L−3).
-
-  For k ≠ 3 (our generalisation, not part of EAGLE-3): k ids evenly spaced from 2 to L−3 inclusive,
-  rounded; k = 1 gives (L//2,).
-
-  Args:
-    num_layers: L.
-    k: number of layers.
-
-  Returns:
-    Sorted tuple of k distinct ids.
-  """
-  if k < 1:
-    raise ValueError(f"k must be >= 1, got {k}")
-  if k == 3:
-    ids = (2, num_layers // 2, num_layers - 3)
-  elif k == 1:
-    ids = (num_layers // 2,)
-  else:
-    ids = tuple(int(round(v)) for v in np.linspace(2, num_layers - 3, k))
-  if len(set(ids)) != k or min(ids) < 1 or max(ids) > num_layers - 1:
-    raise ValueError(f"the eagle3 rule gives invalid ids {ids} for L={num_layers}, k={k}")
-  return tuple(sorted(ids))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The record.
-
-
-def as_layer_id(v) -> int:
-  """An integer-valued number (a layer id, L or D read from JSON) as an int; ValueError otherwise."""
-  if isinstance(v, bool) or not float(v).is_integer():
-    raise ValueError(f"layer id {v!r} is not an integer")
-  return int(v)
-
-
-def parse_layer_ids(value: Any, field: str = "layers") -> tuple[int, ...]:
-  """Layer ids given by hand: a tuple / list of ints, the command-line forms, or one int.
-
-  The one parser of `config.layers` and each `compare.manual` set: `(2, 15, 27)`, `[2, 15, 27]`, `"2,15,27"`
-  and `("2,15,27",)` all give `(2, 15, 27)`; `()` and `""` give `()` (no ids given). Conversion is
-  `layerwave.options.convert`'s; validation against a target is `LayerSelection.validate_for`'s.
-
-  Raises:
-    ValueError: a non-integer entry, naming `--config.{field}` and the expected form.
-  """
-  return options_lib.convert(value, tuple[int, ...], f"--config.{field}")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerSelection:
-  """Which target layers the draft reads, and how they were chosen (immutable, JSON round-trips).
-
-  Attributes:
-    ids: sorted, unique hf_hidden_states ids, each in [0, L].
-    num_layers: L (decoder blocks) of the target.
-    hidden_size: D of the target (None if unknown; then not validated).
-    convention: always "hf_hidden_states".
-    strategy: one of STRATEGIES (or a free name for hand-made records).
-    lam: λ of the objective.
-    min_gap: minimum distance between chosen ids (0 = none).
-    scores: objective and per-layer values of the chosen set.
-    data_hash: hash of the statistics' data (None if unknown).
-    config: the settings that produced the record.
-    seed: seed (used by `random`).
-  """
-
-  ids: tuple[int, ...]
-  num_layers: int
-  hidden_size: int | None = None
-  convention: str = CONVENTION
-  strategy: str = "manual"
-  lam: float = 1.0
-  min_gap: int = 0
-  scores: dict = dataclasses.field(default_factory=dict)
-  data_hash: str | None = None
-  config: dict = dataclasses.field(default_factory=dict)
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.convention != CONVENTION:
-      raise ValueError(
-          f"layer ids in convention {self.convention!r}; only {CONVENTION!r} is stored. Convert "
-          "SpecForge / TensorRT-LLM 'output of block j' ids with from_block_outputs (hf id = block id + 1)")
-    num_layers = as_layer_id(self.num_layers)
-    if num_layers < 1:
-      raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    ids = tuple(as_layer_id(i) for i in self.ids)
-    if not ids:
-      raise ValueError("a layer selection needs at least one id")
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-      raise ValueError(f"duplicate layer ids {dup} in {list(ids)}")
-    neg = [i for i in ids if i < 0]
-    if neg:
-      raise ValueError(f"negative layer ids {neg}; ids index hidden_states [0, L={num_layers}]")
-    out = [i for i in ids if i > num_layers]
-    if out:
-      raise ValueError(f"layer ids {out} out of range for L={num_layers} (valid 0..{num_layers}, "
-                       f"hf_hidden_states convention)")
-    ids = tuple(sorted(ids))
-    if self.strategy == "eagle3" and len(ids) == 3 and num_layers >= 6:
-      expected = eagle3_layer_ids(num_layers)
-      if ids != expected:
-        hint = ""
-        if ids == tuple(sorted(to_block_outputs(expected))):
-          hint = (" — these are the EAGLE-3 ids in the SpecForge / TensorRT-LLM block-output convention; "
-                  "convert them with from_block_outputs")
-        raise ValueError(f"strategy 'eagle3' with ids {list(ids)}, but the rule (2, L//2, L-3) gives "
-                         f"{list(expected)} for L={num_layers}{hint}")
-    if self.hidden_size is not None and as_layer_id(self.hidden_size) < 1:
-      raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
-    if self.min_gap < 0:
-      raise ValueError(f"min_gap must be >= 0, got {self.min_gap}")
-    object.__setattr__(self, "ids", ids)
-    object.__setattr__(self, "num_layers", num_layers)
-    if self.hidden_size is not None:
-      object.__setattr__(self, "hidden_size", as_layer_id(self.hidden_size))
-
-  @property
-  def k(self) -> int:
-    return len(self.ids)
-
-  def block_output_ids(self) -> tuple[int, ...]:
-    """The ids in the SpecForge / TensorRT-LLM convention (id − 1)."""
-    return to_block_outputs(self.ids, self.num_layers)
-
-  def validate_for(self, num_layers: int | None = None, hidden_size: int | None = None) -> None:
-    """Raises if this record was made for another model.
-
-    Args:
-      num_layers: L of the target in hand (None: not checked).
-      hidden_size: D of the target in hand (None: not checked).
-    """
-    mismatch = []
-    if num_layers is not None and int(num_layers) != self.num_layers:
-      mismatch.append(f"L={self.num_layers} vs L={int(num_layers)}")
-    if hidden_size is not None and self.hidden_size is not None and int(hidden_size) != self.hidden_size:
-      mismatch.append(f"D={self.hidden_size} vs D={int(hidden_size)}")
-    if mismatch:
-      raise ValueError("layer selection was made for another model (record vs this target): "
-                       + ", ".join(mismatch))
-
-  def to_dict(self) -> dict[str, Any]:
-    d = dataclasses.asdict(self)
-    d["ids"] = list(self.ids)
-    return atomic.jsonable(d)
-
-  def to_json(self) -> str:
-    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> LayerSelection:
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - fields)
-    if unknown:
-      raise ValueError(f"unknown fields in layer selection record: {unknown}")
-    if "ids" not in d or "num_layers" not in d:
-      raise ValueError("layer selection record needs 'ids' and 'num_layers'")
-    d = dict(d)
-    d["ids"] = tuple(d["ids"])
-    return cls(**d)
-
-  @classmethod
-  def from_json(cls, text: str) -> LayerSelection:
-    return cls.from_dict(json.loads(text))
-
-  def save(self, path: str | os.PathLike) -> None:
-    """Writes the record as JSON, atomically (`layerwave.atomic`)."""
-    atomic.write_text(path, self.to_json() + "\n")
-
-  @classmethod
-  def load(cls, path: str | os.PathLike, num_layers: int | None = None,
-           hidden_size: int | None = None) -> LayerSelection:
-    """Reads and validates a record; with num_layers / hidden_size, also checks it fits this target.
-
-    Raises:
-      ValueError: malformed record, invalid ids, other convention, or another model's record.
-    """
-    with open(path) as f:
-      try:
-        d = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{os.fspath(path)} is not a JSON layer selection: {e}") from e
-    sel = cls.from_dict(d)
-    sel.validate_for(num_layers, hidden_size)
-    return sel
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Strategies.
-
-
-def default_candidates(num_layers: int, include_embeddings: bool = False,
-                       include_final: bool = False) -> tuple[int, ...]:
-  """Candidate ids 1..L−1, optionally with 0 (embeddings) and/or L (final norm)."""
-  lo = 0 if include_embeddings else 1
-  hi = num_layers if include_final else num_layers - 1
-  return tuple(range(lo, hi + 1))
 
 
 def normalize_informativeness(entropy, candidates: Sequence[int]) -> np.ndarray:
@@ -381,7 +116,7 @@ def select_layers(
     include_final: bool = False,
     data_hash: str | None = None,
     config: dict | None = None,
-) -> LayerSelection:
+) -> layer_ids.LayerSelection:
   """Chooses k target layers.
 
   Args:
@@ -410,7 +145,7 @@ def select_layers(
     config: extra settings to store.
 
   Returns:
-    LayerSelection.
+    A `layerwave.layer_ids.LayerSelection`.
 
   Raises:
     ValueError: unknown strategy, k infeasible for the candidates / min_gap, missing or mis-shaped inputs.
@@ -439,8 +174,8 @@ def select_layers(
       raise ValueError(f"{name} holds NaN/inf")
 
   if candidates is None:
-    candidates = default_candidates(num_layers, include_embeddings, include_final)
-  cands = np.array(sorted({as_layer_id(i) for i in candidates}), dtype=np.int64)
+    candidates = layer_ids.default_candidates(num_layers, include_embeddings, include_final)
+  cands = np.array(sorted({layer_ids.as_layer_id(i) for i in candidates}), dtype=np.int64)
   if cands.size == 0 or cands.min() < 0 or cands.max() > num_layers:
     raise ValueError(f"candidates must be non-empty ids in [0, {num_layers}], got {list(candidates)}")
   if k > cands.size:
@@ -461,7 +196,7 @@ def select_layers(
   extra: dict[str, Any] = {}
 
   if strategy == "eagle3":
-    ids = eagle3_layer_ids(num_layers, k)
+    ids = layer_ids.eagle3_layer_ids(num_layers, k)
     missing = [i for i in ids if i not in set(cands.tolist())]
     if missing:
       raise ValueError(f"eagle3 ids {list(ids)} include non-candidates {missing}")
@@ -515,6 +250,6 @@ def select_layers(
   cfg = {"k": k, "candidates": cands.tolist(), "include_embeddings": include_embeddings,
          "include_final": include_final}
   cfg.update(config or {})
-  return LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden_size, strategy=strategy,
+  return layer_ids.LayerSelection(ids=ids, num_layers=num_layers, hidden_size=hidden_size, strategy=strategy,
                         lam=float(lam), min_gap=min_gap, scores=atomic.jsonable(scores), data_hash=data_hash,
                         config=atomic.jsonable(cfg), seed=int(seed))

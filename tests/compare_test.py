@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from layerwave import compare
-from layerwave import selection
+from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.speculative import evaluate
 
@@ -71,7 +71,7 @@ def test_layer_sets_match_brute_force_references():
   record = _record()
   e, c = record.filtered.prompt_entropy, record.filtered.cka_minibatch
   sets = {s.name: s for s in compare.layer_sets(record, _compare())}
-  assert sets["eagle3"].ids == selection.eagle3_layer_ids(L) == (2, 6, 9)
+  assert sets["eagle3"].ids == layer_ids.eagle3_layer_ids(L) == (2, 6, 9)
   assert sets["eagle3"].kind == "baseline" and sets["exhaustive"].kind == "strategy"
   best, e_hat = _brute(e, c, 1.0)
   assert sets["exhaustive"].ids == best

@@ -42,7 +42,7 @@ import layerwave
 from layerwave import checkpoint as ckpt_lib
 from layerwave import eagle3
 from layerwave import export
-from layerwave import selection
+from layerwave import layer_ids
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models.kv_cache import KVCache
 from layerwave.training import restore
@@ -112,7 +112,7 @@ def _state(draft):
 
 def test_round_trip_is_exact_and_logits_identical(target, tmp_path):
   draft = _draft(target)
-  record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D, strategy="greedy", lam=0.5)
+  record = layer_ids.LayerSelection(ids=IDS, num_layers=L, hidden_size=D, strategy="greedy", lam=0.5)
   out = export.export_eagle3(draft, target, str(tmp_path / "eagle3"), selection=record)
   back = layerwave.load_draft(out, target)  # the hook: a config.json with an EAGLE-3 architecture
   assert back.config == draft.config
@@ -125,7 +125,7 @@ def test_round_trip_is_exact_and_logits_identical(target, tmp_path):
   np.testing.assert_array_equal(_logits(draft, target, tokens), _logits(back, target, tokens))
   with open(os.path.join(out, "config.json")) as f:
     lw = json.load(f)["layerwave"]
-  assert selection.LayerSelection.from_dict(lw["selection"]) == record
+  assert layer_ids.LayerSelection.from_dict(lw["selection"]) == record
   assert lw["block_output_layer_ids"] == [1, 2, 5]  # SpecForge / TensorRT-LLM numbering
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]  # nothing half-written left
 
@@ -195,7 +195,7 @@ def _official_dir(path, eagle_config=None, drop=(), dtype=ml_dtypes.bfloat16):
 def test_official_directory_loads_and_runs(target, tmp_path):
   w = _official_dir(str(tmp_path / "official"))
   draft = layerwave.load_draft(str(tmp_path / "official"), target)
-  assert draft.config.layer_ids == selection.eagle3_layer_ids(L) == (2, 4, 5)  # no ids: engines' default
+  assert draft.config.layer_ids == layer_ids.eagle3_layer_ids(L) == (2, 4, 5)  # no ids: engines' default
   np.testing.assert_array_equal(draft.draft_token_ids(), _vocab_ids(5))
   # One position: attention over a single key returns its value, so the EAGLE-3 midlayer reduces to
   # plain numpy on the published tensors — embeds first, hidden_norm on g, residual on the un-normed g.
@@ -268,7 +268,7 @@ def test_export_refuses_what_engines_cannot_load(target, tmp_path):
     export.export_eagle3(_draft(target, fc_norm=True), target, str(tmp_path / "b"))
   with pytest.raises(ValueError, match="final-norm output"):
     export.export_eagle3(_draft(target, ids=(2, 4, L)), target, str(tmp_path / "c"))
-  record = selection.LayerSelection(ids=(2, 4, 5), num_layers=L, hidden_size=D)
+  record = layer_ids.LayerSelection(ids=(2, 4, 5), num_layers=L, hidden_size=D)
   with pytest.raises(ValueError, match="differ from the draft's"):
     export.export_eagle3(_draft(target), target, str(tmp_path / "d"), selection=record)
   assert not os.listdir(tmp_path)
@@ -405,7 +405,7 @@ def test_bfloat16_export_loads_close(target, tmp_path):
 def test_export_workdir_reads_the_recorded_target(target, tmp_path):
   """The launcher's path (`training.restore.export_workdir`): a training workdir's checkpoint (written as `training.loop.run` writes it)."""
   draft = _draft(target)
-  record = selection.LayerSelection(ids=IDS, num_layers=L, hidden_size=D)
+  record = layer_ids.LayerSelection(ids=IDS, num_layers=L, hidden_size=D)
   _, params, vocab, _ = step_lib.split_draft(draft)
   ckpt = ckpt_lib.Checkpointer(str(tmp_path / "w" / "checkpoints"))
   ckpt.save(1, step_lib.init_state(params, step_lib.OptimizerSettings(1e-4, 1, 2)), vocab,
@@ -457,7 +457,7 @@ def test_pytorch_model_bin_runs_no_code(target, tmp_path):
   directory = tmp_path / "evil"
   _official_dir(str(directory))
   os.remove(directory / "model.safetensors")
-  torch.save({"fc.weight": torch.zeros(D, 3 * D), "payload": selection.LayerSelection(
+  torch.save({"fc.weight": torch.zeros(D, 3 * D), "payload": layer_ids.LayerSelection(
       ids=IDS, num_layers=L, hidden_size=D)}, str(directory / "pytorch_model.bin"))  # a pickled object
   with pytest.raises(ValueError, match=r"weights_only=True\): .*LayerSelection.*does not unpickle"):
     layerwave.load_eagle3(str(directory), target)

@@ -1,7 +1,8 @@
 """The import graph of layerwave: one direction, no cycles, no hidden imports, and a light `import layerwave`.
 
-The stages import downwards only (issue 11): base utilities → models → data → analysis / selection / eagle3 /
-export → training → speculative → compare; the experiments/ launchers import the library, never each other.
+The stages import downwards only (issue 11): base utilities and layer ids → models → data → analysis /
+selection / eagle3 / export → training → speculative → compare; the experiments/ launchers import the
+library, never each other.
 """
 
 import ast
@@ -17,7 +18,8 @@ PACKAGE = os.path.join(ROOT, "layerwave")
 # Rank of each part of the library; an import may point only at an equal or lower rank.
 LAYERS = (
     ("base", ("layerwave.atomic", "layerwave.axes", "layerwave.options", "layerwave.sharding",
-              "layerwave.sampling", "layerwave.checkpoint", "layerwave.metrics", "layerwave.plots")),
+              "layerwave.sampling", "layerwave.checkpoint", "layerwave.metrics", "layerwave.plots",
+              "layerwave.layer_ids")),
     ("models", ("layerwave.models", "layerwave.inference", "layerwave.continuous", "layerwave.generate")),
     ("data", ("layerwave.data",)),
     ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.eagle3", "layerwave.export")),

@@ -1,15 +1,14 @@
-"""Tests for layerwave.selection: strategies on synthetic statistics, the record, conventions."""
+"""Tests for layerwave.selection: the strategies and their objective on synthetic statistics."""
 
 import itertools
-import json
-import os
 
 import numpy as np
 import pytest
 
+from layerwave import layer_ids
 from layerwave import selection
 from layerwave.analysis import compartments
-from layerwave.selection import LayerSelection
+from layerwave.layer_ids import LayerSelection
 
 L = 12
 
@@ -25,21 +24,6 @@ def _stats(seed=0):
 
 def _objective(ids, e_hat, c, lam):
   return sum(e_hat[i] for i in ids) - lam * sum(c[a, b] for a, b in itertools.combinations(ids, 2))
-
-
-def test_conventions_round_trip_and_eagle3():
-  assert selection.eagle3_layer_ids(30) == (2, 15, 27)  # SmolLM2-135M baseline
-  assert selection.to_block_outputs((2, 15, 27)) == (1, 14, 26)  # SpecForge / TensorRT-LLM numbers
-  assert selection.from_block_outputs((1, 14, 26)) == (2, 15, 27)
-  assert selection.from_block_outputs(selection.to_block_outputs((1, 5, 11), L), L) == (1, 5, 11)
-  with pytest.raises(ValueError, match="block-output"):
-    selection.to_block_outputs((0, 3))
-  with pytest.raises(ValueError, match="no hf_hidden_states"):
-    selection.from_block_outputs((L - 1,), L)
-  assert selection.eagle3_layer_ids(30, k=1) == (15,)
-  assert selection.eagle3_layer_ids(30, k=5) == (2, 8, 14, 21, 27)
-  with pytest.raises(ValueError, match="eagle3"):
-    selection.eagle3_layer_ids(4)
 
 
 def test_eagle3_strategy():
@@ -109,7 +93,7 @@ def test_compartment_strategy_automatic_blocks():
     c[s:t, s:t] = 0.95
   np.fill_diagonal(c, 1.0)
   e = np.arange(L + 1, dtype=float)
-  blocks = compartments.selection_blocks(c, selection.default_candidates(L), 3)
+  blocks = compartments.selection_blocks(c, layer_ids.default_candidates(L), 3)
   sel = selection.select_layers("compartment", e, c, k=3, compartments=blocks)
   assert sel.ids == (4, 7, 11)
   assert sel.scores["compartments"] == [[1, 5], [5, 8], [8, 12]]
@@ -141,67 +125,11 @@ def test_selection_errors():
     selection.select_layers("entropy", np.full(L + 1, np.nan))
 
 
-def test_record_save_load_round_trip(tmp_path):
+def test_a_strategy_record_round_trips(tmp_path):
   e, c = _stats()
   sel = selection.select_layers("exhaustive", e, c, k=3, hidden_size=64, data_hash="abc123",
                                 config={"alpha": 1.0})
   path = tmp_path / "layers.json"
   sel.save(path)
-  assert [p.name for p in tmp_path.iterdir()] == ["layers.json"]  # no temp file left behind
-  loaded = LayerSelection.load(path, num_layers=L, hidden_size=64)
-  assert loaded == sel
-  assert LayerSelection.from_json(sel.to_json()) == sel
-  assert json.loads(path.read_text())["convention"] == "hf_hidden_states"
-
-
-def _write(tmp_path, **kw):
-  d = {"ids": [2, 6, 9], "num_layers": L, "hidden_size": 64, "strategy": "manual"}
-  d.update(kw)
-  path = tmp_path / "sel.json"
-  path.write_text(json.dumps(d))
-  return path
-
-
-@pytest.mark.parametrize("kw,match", [
-    ({"ids": [2, 2, 9]}, "duplicate"),
-    ({"ids": [-1, 3]}, "negative"),
-    ({"ids": [3, L + 1]}, "out of range"),
-    ({"ids": []}, "at least one"),
-    ({"ids": [1.5]}, "not an integer"),
-    ({"convention": "block_outputs"}, "from_block_outputs"),
-    ({"strategy": "eagle3", "ids": [2, 7, 9]}, "rule"),
-    ({"strategy": "eagle3", "ids": [1, 5, 8]}, "block-output convention"),
-    ({"bogus": 1}, "unknown fields"),
-])
-def test_load_validation_errors(tmp_path, kw, match):
-  with pytest.raises(ValueError, match=match):
-    LayerSelection.load(_write(tmp_path, **kw))
-
-
-def test_load_for_another_model(tmp_path):
-  path = _write(tmp_path)
-  with pytest.raises(ValueError, match=f"L={L} vs L=30"):
-    LayerSelection.load(path, num_layers=30, hidden_size=64)
-  with pytest.raises(ValueError, match="D=64 vs D=576"):
-    LayerSelection.load(path, num_layers=L, hidden_size=576)
-  bad = tmp_path / "bad.json"
-  bad.write_text("{not json")
-  with pytest.raises(ValueError, match="not a JSON"):
-    LayerSelection.load(bad)
-  assert os.path.exists(path)
-
-
-def test_record_sorts_ids():
-  assert LayerSelection(ids=(9, 2, 5), num_layers=L).ids == (2, 5, 9)
-
-
-def test_parse_layer_ids_is_the_one_parser_of_hand_given_ids():
-  assert selection.parse_layer_ids((2, 15, 27)) == selection.parse_layer_ids([2.0, 15, 27]) == (2, 15, 27)
-  # What the command line gives: --config.layers=2,15,27 and '(2,15,27)' both parse to (2, 15, 27) in
-  # ml_collections; an old comma string stays a string.
-  assert selection.parse_layer_ids("2, 15,27") == selection.parse_layer_ids(("2,15,27",)) == (2, 15, 27)
-  assert selection.parse_layer_ids("") == selection.parse_layer_ids(()) == selection.parse_layer_ids(("",)) == ()
-  with pytest.raises(ValueError, match=r"--config\.layers must be comma-separated integers like 2,15,27"):
-    selection.parse_layer_ids("2,x,27")
-  with pytest.raises(ValueError, match=r"--config\.manual must be"):
-    selection.parse_layer_ids("2.5", "manual")
+  assert LayerSelection.load(path, num_layers=L, hidden_size=64) == sel
+  assert sel.data_hash == "abc123" and sel.config["alpha"] == 1.0 and sel.config["k"] == 3

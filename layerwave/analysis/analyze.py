@@ -19,6 +19,7 @@ from absl import logging
 from layerwave import atomic
 from layerwave import data as data_lib
 from layerwave import inference
+from layerwave import layer_ids
 from layerwave import options as options_lib
 from layerwave import plots
 from layerwave import sharding
@@ -77,8 +78,8 @@ def run(config, workdir: str) -> dict:
   data.update({k: v for k, v in data_options.record().items() if k in DataOptions.LATE_DEFAULTS})
   config_dict = config.to_dict()
   hash_value = report.data_hash(data, model, config_dict["analysis"])
-  candidates = report.selection_lib.default_candidates(cfg.num_layers, selection_options.include_embeddings,
-                                                       selection_options.include_final)
+  candidates = layer_ids.default_candidates(cfg.num_layers, selection_options.include_embeddings,
+                                            selection_options.include_final)
   segmentation = report.find_compartments(report.cka_matrix(result.filtered, selection_options), candidates,
                                           selection_options.num_blocks)
   selections = report.run_selections(result.filtered, selection_options, num_layers=cfg.num_layers,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from scipy import stats as scipy_stats
 
+from layerwave import layer_ids
 from layerwave import options as options_lib
 from layerwave import selection as selection_lib
 from layerwave.analysis import compartments as compartments_lib
@@ -116,7 +117,7 @@ def find_compartments(cka: np.ndarray, candidates: Sequence[int], num_blocks: in
 def run_selections(stats: stats_lib.LayerStats, options: SelectionOptions, *, num_layers: int,
                    hidden_size: int, data_hash_value: str | None = None, config: dict | None = None,
                    segmentation: compartments_lib.Segmentation | None = None
-                   ) -> dict[str, selection_lib.LayerSelection]:
+                   ) -> dict[str, layer_ids.LayerSelection]:
   """One `LayerSelection` per strategy, from one set of statistics.
 
   Args:
@@ -136,7 +137,7 @@ def run_selections(stats: stats_lib.LayerStats, options: SelectionOptions, *, nu
   c = cka_matrix(stats, options)
   blocks = None
   if "compartment" in options.strategies:
-    cands = selection_lib.default_candidates(num_layers, options.include_embeddings, options.include_final)
+    cands = layer_ids.default_candidates(num_layers, options.include_embeddings, options.include_final)
     blocks = compartments_lib.selection_blocks(c, cands, options.k, segmentation)
   extra = {"granularity": options.granularity, "normalized_entropy": options.normalized_entropy,
            "cka": options.cka, "alpha": stats.alpha, "normalize": stats.normalize,
@@ -156,7 +157,7 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def stability_report(halves: tuple[stats_lib.LayerStats | None, stats_lib.LayerStats | None],
-                     full: dict[str, selection_lib.LayerSelection], options: SelectionOptions, *,
+                     full: dict[str, layer_ids.LayerSelection], options: SelectionOptions, *,
                      num_layers: int, hidden_size: int) -> dict:
   """Agreement of two disjoint halves of the data (even / odd batches).
 
@@ -173,7 +174,7 @@ def stability_report(halves: tuple[stats_lib.LayerStats | None, stats_lib.LayerS
   """
   if halves is None or any(h is None for h in halves):
     return {"available": False, "reason": "needs at least two batches with kept tokens"}
-  cands = list(selection_lib.default_candidates(num_layers, options.include_embeddings, options.include_final))
+  cands = list(layer_ids.default_candidates(num_layers, options.include_embeddings, options.include_final))
   a, b = halves
   ea, eb = informativeness(a, options)[cands], informativeness(b, options)[cands]
   ca = cka_matrix(a, options)[np.ix_(cands, cands)]
@@ -228,7 +229,7 @@ def layer_stats_record(result, *, model: dict, data: dict, options: SelectionOpt
   """
   o = result.options
   return {
-      "convention": selection_lib.CONVENTION,
+      "convention": layer_ids.CONVENTION,
       "layer_ids": list(range(model["num_layers"] + 1)),
       "model": model,
       "data": data,
@@ -245,7 +246,7 @@ def layer_stats_record(result, *, model: dict, data: dict, options: SelectionOpt
                                       if result.seconds and np.isfinite(result.seconds) else None)},
       "filtered": _stats_dict(result.filtered),
       "unfiltered": _stats_dict(result.unfiltered),
-      "compartments": {"candidates": list(selection_lib.default_candidates(
+      "compartments": {"candidates": list(layer_ids.default_candidates(
                            model["num_layers"], options.include_embeddings, options.include_final)),
                        "blocks": [list(b) for b in segmentation.blocks],
                        "boundaries": list(segmentation.boundaries), "score": segmentation.score,
@@ -292,8 +293,8 @@ class AnalysisRecord:
   @property
   def candidates(self) -> tuple[int, ...]:
     """The ids a selection may choose (the analysis' candidates)."""
-    return tuple(selection_lib.default_candidates(self.num_layers, self.selection.include_embeddings,
-                                                  self.selection.include_final))
+    return tuple(layer_ids.default_candidates(self.num_layers, self.selection.include_embeddings,
+                                              self.selection.include_final))
 
   def arrays(self, which: str = "filtered") -> tuple[np.ndarray, np.ndarray]:
     """(E [L+1], C [L+1, L+1]) of the filtered or unfiltered statistics, as the selection reads them."""
@@ -338,13 +339,13 @@ def read_layer_stats(path: str | os.PathLike) -> AnalysisRecord:
   return AnalysisRecord.from_content(content, path)
 
 
-def selection_file_record(selections: dict[str, selection_lib.LayerSelection]) -> dict:
+def selection_file_record(selections: dict[str, layer_ids.LayerSelection]) -> dict:
   """The content of `selection.json`: {strategy: LayerSelection.to_dict()}."""
   return {name: sel.to_dict() for name, sel in selections.items()}
 
 
 def load_selections(path: str | os.PathLike, num_layers: int | None = None,
-                    hidden_size: int | None = None) -> dict[str, selection_lib.LayerSelection]:
+                    hidden_size: int | None = None) -> dict[str, layer_ids.LayerSelection]:
   """Reads `selection.json` back into validated `LayerSelection`s (checked against L, D when given).
 
   The file is what `selection_file_record` writes ({strategy: record}); a single record (a hand-written
@@ -366,14 +367,14 @@ def load_selections(path: str | os.PathLike, num_layers: int | None = None,
                      "{strategy: record} as experiments/analyze.py writes it.")
   out = {}
   for name, d in raw.items():
-    sel = selection_lib.LayerSelection.from_dict(d)
+    sel = layer_ids.LayerSelection.from_dict(d)
     sel.validate_for(num_layers, hidden_size)
     out[name] = sel
   return out
 
 
 def read_selection(path: str | os.PathLike, strategy: str, num_layers: int | None = None,
-                   hidden_size: int | None = None) -> selection_lib.LayerSelection:
+                   hidden_size: int | None = None) -> layer_ids.LayerSelection:
   """One strategy's record of a selection file (`load_selections`), or an error listing the strategies."""
   selections = load_selections(path, num_layers, hidden_size)
   if strategy not in selections:
@@ -381,7 +382,7 @@ def read_selection(path: str | os.PathLike, strategy: str, num_layers: int | Non
   return selections[strategy]
 
 
-def summary_table(record: dict, selections: dict[str, selection_lib.LayerSelection]) -> str:
+def summary_table(record: dict, selections: dict[str, layer_ids.LayerSelection]) -> str:
   """Markdown table of the wave: per layer, entropy with / without the filter, compartment, strategies.
 
   Args:

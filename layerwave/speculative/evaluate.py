@@ -19,8 +19,8 @@ import numpy as np
 
 from flax import nnx
 
+from layerwave import layer_ids
 from layerwave import options as options_lib
-from layerwave import selection
 from layerwave.data import chat
 from layerwave.data import sources
 from layerwave.generate import generate as plain_generate
@@ -52,7 +52,7 @@ def load_draft(path: str, target, layers: Sequence[int] = (), draft_vocab_size: 
     raise ValueError("Set --config.draft to a draft training workdir (or 'random' for a smoke run).")
   if path != "random":
     return restore.load_draft(path, target)
-  ids = tuple(layers) or selection.eagle3_layer_ids(target.config.num_layers)
+  ids = tuple(layers) or layer_ids.eagle3_layer_ids(target.config.num_layers)
   dcfg = DraftConfig.from_target(target.config, ids,
                                  draft_vocab_size=min(draft_vocab_size, target.config.vocab_size))
   return Draft(dcfg, embedding=target.params["embed_tokens"]["embedding"][...], rngs=nnx.Rngs(seed))

@@ -35,9 +35,9 @@ from flax import nnx
 
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
+from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
-from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.analysis import report as report_lib
 from layerwave.data.options import DataOptions
@@ -49,13 +49,13 @@ from layerwave.training import restore
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
 from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
-def resolve_selection(config, target: Target) -> selection_lib.LayerSelection:
+def resolve_selection(config, target: Target) -> layer_ids.LayerSelection:
   """The layers to train on: `config.layers` ids, or (when it is empty) a strategy from `config.selection.path`."""
   c = target.config
-  ids = selection_lib.parse_layer_ids(config.layers)
+  ids = layer_ids.parse_layer_ids(config.layers)
   if ids:
-    record = selection_lib.LayerSelection(ids=ids, num_layers=c.num_layers,
-                                          hidden_size=c.hidden_size, strategy="manual")
+    record = layer_ids.LayerSelection(ids=ids, num_layers=c.num_layers,
+                                      hidden_size=c.hidden_size, strategy="manual")
     record.validate_for(c.num_layers, c.hidden_size)
     return record
   if not config.selection.path or not config.selection.strategy:
@@ -99,7 +99,7 @@ def load_data(data: DataOptions, target: Target):
   return dataset, dataset.source("train"), heldout
 
 
-def load_store(path: str, data: DataOptions, target: Target, record: selection_lib.LayerSelection,
+def load_store(path: str, data: DataOptions, target: Target, record: layer_ids.LayerSelection,
                target_dtype: str, own_data: bool = False):
   """Opens and checks a feature store for this run; returns (store, train split, held-out split or None).
 
@@ -132,7 +132,7 @@ def target_head(target: Target) -> jax.Array:
 
 
 def new_draft(model: DraftModelOptions, train: TrainOptions, seed: int, target: Target,
-              record: selection_lib.LayerSelection, train_source) -> Draft:
+              record: layer_ids.LayerSelection, train_source) -> Draft:
   """A freshly initialised draft with its vocabulary counted from the training targets."""
   v_d = min(model.vocab_size, target.config.vocab_size)
   dcfg = DraftConfig.from_target(target.config, record.ids, draft_vocab_size=v_d, num_layers=model.num_layers,
@@ -209,8 +209,8 @@ def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, ba
   The store is checked against the target, its tokenizer and the draft's layers.
   """
   store = features_lib.open_store(path)
-  record = selection_lib.LayerSelection(ids=tuple(draft.config.layer_ids), num_layers=target.config.num_layers,
-                                        hidden_size=target.config.hidden_size, strategy="manual")
+  record = layer_ids.LayerSelection(ids=tuple(draft.config.layer_ids), num_layers=target.config.num_layers,
+                                    hidden_size=target.config.hidden_size, strategy="manual")
   seq_len = seq_len or store.seq_len
   data = options_lib.from_section(DataOptions, {**store.header.get("data", {}), "max_length": seq_len}, "data")
   _, _, heldout = load_store(path, data, target, record, _dtype_name(target), own_data=True)
@@ -250,7 +250,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   return train(target, resolve_selection(config, target), recipe, workdir)
 
 
-def train(target: Target, record: selection_lib.LayerSelection, recipe: Recipe, workdir: str) -> dict[str, Any]:
+def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a draft for `target` on the layers `record` names, online or from a feature store.
 
   Args:

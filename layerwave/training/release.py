@@ -21,7 +21,7 @@ from typing import Any
 
 from layerwave import atomic
 from layerwave import export as export_lib
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave.data import distilled
 from layerwave.data import release as answers_release
 from layerwave.inference import Target
@@ -126,7 +126,7 @@ def write(draft: Draft, target: Target, out_dir: str, *, model: str, selection=N
   manifest = {
       "format": FORMAT, "format_version": FORMAT_VERSION, "name": name,
       "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-      "layer_ids": list(c.layer_ids), "convention": selection_lib.CONVENTION,
+      "layer_ids": list(c.layer_ids), "convention": layer_ids.CONVENTION,
       "draft_vocab_size": c.draft_vocab_size, "dtype": dtype,
       "target": {"model": model, "fingerprint": distilled.target_fingerprint(target),
                  "num_layers": target.config.num_layers, "hidden_size": target.config.hidden_size},

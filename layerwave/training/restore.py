@@ -21,7 +21,7 @@ from flax import nnx
 from layerwave import checkpoint as ckpt_lib
 from layerwave import eagle3
 from layerwave import export as export_lib
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
@@ -99,7 +99,7 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
     meta = ckpt.read_meta(step)
     dcfg = DraftConfig.from_dict(meta["draft_config"])
     dcfg.check_target(target.config)
-    selection_lib.LayerSelection.from_dict(meta["selection"]).validate_for(
+    layer_ids.LayerSelection.from_dict(meta["selection"]).validate_for(
         target.config.num_layers, target.config.hidden_size)
     graphdef, params, vocab, frozen = step_lib.split_draft(abstract_draft(dcfg))
     state, vocab, _ = restore_state(ckpt, params, vocab, target.mesh, step)
@@ -129,7 +129,7 @@ def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step
     raise ValueError(f"{workdir} does not record its target model; pass --model.")
   target = load_target(spec, dtype=(meta.get("config") or {}).get("dtype", "float32"))
   draft = load_draft(workdir, target, step)
-  record = selection_lib.LayerSelection.from_dict(meta["selection"])
+  record = layer_ids.LayerSelection.from_dict(meta["selection"])
   return export_lib.export_eagle3(draft, target, out_dir, selection=record, overwrite=overwrite, dtype=dtype,
                                   include_embedding=include_embedding, allow_first_id_1=allow_first_id_1,
                                   allow_nonstandard_k=allow_nonstandard_k)

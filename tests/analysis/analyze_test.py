@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from layerwave import selection
+from layerwave import layer_ids
 from layerwave.analysis import analyze
 from layerwave.analysis import report
 
@@ -22,7 +22,7 @@ def test_run_writes_stats_selections_and_plots(tiny_chat_target_dir, tmp_path):
   out = analyze.run(config, workdir)
   with open(os.path.join(workdir, "layer_stats.json")) as f:
     stats = json.load(f)
-  assert stats["convention"] == selection.CONVENTION and stats["model"]["num_layers"] == L
+  assert stats["convention"] == layer_ids.CONVENTION and stats["model"]["num_layers"] == L
   for kind in ("filtered", "unfiltered"):
     assert len(stats[kind]["prompt_entropy"]) == L + 1 and len(stats[kind]["dataset_entropy_normalized"]) == L + 1
     assert np.asarray(stats[kind]["cka_minibatch"]).shape == (L + 1, L + 1)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from layerwave import atomic
+from layerwave import layer_ids
 from layerwave import selection
 from layerwave.analysis import report
 from layerwave.analysis import stats
@@ -33,7 +34,7 @@ def _stats(seed=0, exact=True):
 
 def test_run_selections_every_strategy_and_records_validate(tmp_path):
   options = report.SelectionOptions()
-  seg = report.find_compartments(_stats().cka_minibatch, selection.default_candidates(L))
+  seg = report.find_compartments(_stats().cka_minibatch, layer_ids.default_candidates(L))
   assert seg.blocks[0][0] == 1 and seg.blocks[-1][1] == L  # candidates 1..L-1
   sels = report.run_selections(_stats(), options, num_layers=L, hidden_size=D, data_hash_value="abc",
                                segmentation=seg)

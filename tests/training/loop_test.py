@@ -12,7 +12,7 @@ from flax import nnx
 
 import layerwave
 from layerwave import checkpoint as ckpt_lib
-from layerwave import selection as selection_lib
+from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.training import curves
 from layerwave.training import loop
@@ -83,7 +83,7 @@ def test_train_over_typed_objects_resumes_what_run_started(tiny_config, tmp_path
   `loop.run(config, W)` compute the same run: a run started by one resumes under the other, exactly."""
   full = loop.run(tiny_config, str(tmp_path / "full"))
   target = layerwave.load_target(tiny_config.model)
-  layers = selection_lib.LayerSelection(ids=(1, 2, 3), num_layers=8, hidden_size=32, strategy="manual")
+  layers = layer_ids.LayerSelection(ids=(1, 2, 3), num_layers=8, hidden_size=32, strategy="manual")
   recipe = Recipe.from_config(tiny_config)
   half = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, stop_after=2))
   assert loop.train(target, layers, half, str(tmp_path / "typed"))["step"] == 2

@@ -43,8 +43,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from layerwave import atomic
+from layerwave import layer_ids
 from layerwave import options as options_lib
-from layerwave import selection as selection_lib
 from layerwave import sharding
 from layerwave.analysis import report as report_lib
 from layerwave.data import batching
@@ -410,7 +410,7 @@ def _write_merged(out_dir: str, header: Mapping[str, Any]) -> None:
 
 def default_depths(config, num_layers: int) -> tuple[int, ...]:
   """The layers the user will train: `config.layers`, else the union of every set in `selection.path`."""
-  ids = selection_lib.parse_layer_ids(config.layers)  # () when none given (--config.layers= gives ('',))
+  ids = layer_ids.parse_layer_ids(config.layers)  # () when none given (--config.layers= gives ('',))
   if ids:
     return ids
   path = config.selection.path
