@@ -12,7 +12,7 @@ ShareGPT sequences of `--seq_len` tokens:
    reported;
 2. the online train step (target in the step) vs the offline step (features from the store) at the same K
    and V_d, on the same batches, steps alternated (online, offline, ...) after `--warmup` steps each; median
-   step time → real tokens/s and the ratio (the goal of issue 12 is offline ≥ 4x online).
+   step time → real tokens/s and the ratio (BENCHMARKS.md, "Feature store", compares it with its goal).
 
 Writes `W/bench_features.json` and prints a markdown table.
 """

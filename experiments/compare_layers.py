@@ -1,6 +1,6 @@
 """The paper's experiment: drafts on different layer sets, same budget and seeds, compared by τ.
 
-  # the README's main job (~11 min on 2 CPU cores): analysis → selection → two drafts → speculation
+  # the README's main job (`make demo`): analysis → selection → two drafts → speculation
   python experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
   # the sweep of RESULTS.md (needs an analysis workdir; see RESULTS.md for the budget and timing)
   python experiments/compare_layers.py --config=configs/smollm2_135m.py:compare \\

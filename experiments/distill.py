@@ -1,4 +1,4 @@
-"""Self-distilled training data: the target answers the ShareGPT prompts itself (issue 12, part 1).
+"""Self-distilled training data: the target answers the ShareGPT prompts itself.
 
   python experiments/distill.py --config=configs/smollm2_135m.py --workdir=D
   python experiments/distill.py --config=configs/smollm2_135m.py:smoke --workdir=D   # 8 prompts, < 1 min

@@ -14,8 +14,9 @@ import it before numpy and jax for that reason.
 import os
 
 # XLA:CPU's eigvalsh (the analysis' matrix entropy) runs on scipy's OpenBLAS, whose per-core spinning threads
-# slow it 10-40x when the cores are shared (CI runners, parallel jobs); one thread is as fast on an idle
-# machine. OpenBLAS reads the variable when it loads, so it is set before anything here imports numpy.
+# slow it many times over when the cores are shared (CI runners, parallel jobs; BENCHMARKS.md, "Layer
+# statistics"); one thread is as fast on an idle machine. OpenBLAS reads the variable when it loads, so it is
+# set before anything here imports numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

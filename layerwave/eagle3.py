@@ -17,7 +17,8 @@ Layer-id conventions at this boundary, read from the engines' source:
   `set_eagle3_layers_to_capture` adds 1 to explicit ids (`[val + 1 for val in layer_ids]`, read from
   `eagle_config.eagle_aux_hidden_state_layer_ids` by `model_runner`), i.e. it reads them as "output of
   block j" — SpecForge's convention (its default `[1, L//2-1, L-4]`, e.g. `[1, 15, 28]` for L = 32).
-  sglang PR #25454 (merged 2026-05-16) adds 1 only when the first id is 1, to accept both kinds of file.
+  Since sglang PR #25454 it adds 1 only when the first id is 1, to accept both kinds of file; `ENGINES`
+  names both SGLang versions.
 * Both engines' default when a draft names no ids is `[2, L//2, L-3]` captured before those layers: HF ids.
 * vLLM and SGLang both build `fc` as `3 * target_hidden_size → hidden_size`: only k = 3 drafts load there.
 * Both run the draft in the target's dtype, casting the file's tensors on load.

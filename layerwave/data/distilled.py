@@ -62,7 +62,8 @@ def checkpoint_fingerprint(path: str) -> str | None:
     path: an HF-layout directory (what `hub.resolve` returns and `Target.path` holds).
 
   Returns:
-    16 hex digits (about 0.4 s for SmolLM2-135M's 538 MB, then cached), or None if `path` is no checkpoint.
+    16 hex digits (one read of every weight file, then cached until a file changes), or None if `path` is
+    no checkpoint.
   """
   if not path or not os.path.isfile(os.path.join(path, "config.json")):
     return None

@@ -36,7 +36,8 @@ class KVCache:
 
     Raises:
       TypeError: for a non-floating dtype: keys and values written into an integer buffer are truncated
-        toward zero without an error (the draft cache was once sized from an int32 vocabulary table).
+        toward zero without an error (as happens when the dtype is taken from an integer parameter, such as
+        a vocabulary table).
     """
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
       raise TypeError(f"A KV cache must have a floating dtype, got {jnp.dtype(dtype)}: pass the model's "

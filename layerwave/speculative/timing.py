@@ -2,8 +2,8 @@
 
 The last measurement of the pipeline: every speedup the project reports (`experiments/speculate.py`,
 `experiments/bench_speculative.py`, `layerwave.compare`) comes from `paired_speedup`. On a shared machine
-the speed of the same code drifts by 2-4x within an hour, so plain decoding timed once and speculation timed
-minutes later gives a ratio of two different machines. Here each batch is decoded by both, back to back,
+the speed of the same code drifts several-fold as other jobs come and go (BENCHMARKS.md), so plain decoding
+timed once and speculation timed minutes later gives a ratio of two different machines. Here each batch is decoded by both, back to back,
 `repeats` times, in ABBA order (plain first in even pairs, speculative first in odd ones, so a linear drift
 cancels), after one untimed warm-up of each (compilation outside the clock). Each pair gives one ratio of
 tokens per second (speculative ÷ plain: at T > 0 the two may emit different numbers of tokens); the

@@ -1,15 +1,16 @@
 """Speculation settings chosen by measurement (`method="auto"`): the chain length or tree that decodes fastest.
 
 On an accelerator a verification of n tokens costs about one decoding step for n up to tens of tokens; on a CPU
-it grows with n almost at once (a tree of 48 nodes at batch 8 runs 0.11-0.18x plain decoding here). So the
+it grows with n almost at once (a large tree at batch 8 runs several times slower than plain decoding:
+BENCHMARKS.md, "Speculative decoding"). So the
 best setting depends on the machine, the batch size and the draft, and is measured, not assumed.
 
 Every candidate (a few chains and small trees) decodes the calibration prompts end to end, each batch paired
 with plain decoding of the same batch in ABBA order (`timing.paired_speedup`, the benchmark's own
 measurement): the candidate's speedup is the median of its pairs' ratios of tokens per second, and the
 candidate with the highest one wins (the first listed on a tie). When none beats plain decoding the tuning
-says so (`Tuning.beats_plain`). Nothing is predicted from separately timed parts: such predictions missed by
-10-25 % and reversed the ranking (BENCHMARKS.md).
+says so (`Tuning.beats_plain`). Nothing is predicted from separately timed parts: such predictions were off
+by enough to reverse the ranking (BENCHMARKS.md, "`method=auto` now times every candidate end to end").
 
 `tune` returns the choice with every candidate's timing, so a launcher can print the table next to what the
 chosen and the fixed settings then measure (experiments/bench_speculative.py).

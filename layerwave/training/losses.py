@@ -32,13 +32,13 @@ from layerwave.models.draft import Draft
 
 
 def argmax(x: jax.Array, block: int = 1024) -> jax.Array:
-  """`jnp.argmax(x, axis=-1)` (the first maximum, NaN counting as the largest), about 20x faster on XLA:CPU.
+  """`jnp.argmax(x, axis=-1)` (the first maximum, NaN counting as the largest), much faster on XLA:CPU.
 
-  XLA:CPU runs argmax as a variadic (value, index) reduction that does not vectorise: ~1 s for `[3072, 49152]`
-  logits, against ~0.05 s for a max. So: the max of each block of `block` entries (a plain reduction), the
-  argmax over those few block maxima, then the argmax within the winning block. Identical results, ties
-  included. XLA's vectorised max may drop a NaN, so an input whose sum is NaN (a NaN, or both infinities)
-  takes `jnp.argmax` itself.
+  XLA:CPU runs argmax as a variadic (value, index) reduction that does not vectorise, far slower than a plain
+  max over the same logits (BENCHMARKS.md, "Feature store"). So: the max of each block of `block` entries (a
+  plain reduction), the argmax over those few block maxima, then the argmax within the winning block.
+  Identical results, ties included. XLA's vectorised max may drop a NaN, so an input whose sum is NaN (a
+  NaN, or both infinities) takes `jnp.argmax` itself.
   """
   v = x.shape[-1]
   if v <= block:

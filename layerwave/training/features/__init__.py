@@ -1,4 +1,4 @@
-"""Feature stores: the target's features extracted once, so that drafts train without the target (issue 12).
+"""Feature stores: the target's features extracted once, so that drafts train without the target.
 
 `extract` (the stage `run`, experiments/extract_features.py) writes a store; `open_store` reads it back
 checked; `FeatureBatchIterator` yields the fixed-shape batches `training.step.train_step_offline` reads.
