@@ -7,7 +7,7 @@
   python experiments/compare_layers.py --config=configs/smollm2_135m.py:compare --workdir=W \
       --config.compare.analysis=ANALYSIS_W
   (append `:smoke` to the config path for a seconds-to-a-minute CPU run; `:demo` is the README's main job:
-  analysis, two short drafts, speculative decoding and the comparison in ~11 minutes on 2 CPU cores)
+  analysis, two short drafts, speculative decoding and the comparison; its time on 2 CPU cores: README)
 
 Each stage reads only its own section (`analysis`, `train` + `draft_model`, `speculate`) plus the shared
 fields at the top. Layer ids use the HF hidden-state convention (README): index 0 = embeddings, i = output
@@ -67,9 +67,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.top_k = 0
   c.distill.top_p = 1.0
   c.distill.seed = 0
-  c.distill.batch_size = 16  # prompts per generate call (may change on resume; 16 was fastest on 2 cores)
+  c.distill.batch_size = 16  # prompts per generate call (may change on resume; 16: the fastest measured, BENCHMARKS.md)
   c.distill.segment_tokens = 0  # > 0: rounds of this many tokens, finished rows leave (slower on 2 CPU cores)
-  c.distill.slots = 32  # continuous batching rows (0 = static batches); 32: 1.34x the row-tokens/s of 16 (BENCHMARKS.md)
+  c.distill.slots = 32  # continuous batching rows (0 = static batches); 32: more add little on a CPU (BENCHMARKS.md)
   c.distill.chunk_steps = 16  # continuous batching: decode steps between refills and loop checks
   c.distill.chunk_size = 64  # conversations per resumable chunk
   c.distill.loop_max_period = 64  # repetition loops: a block of <= 64 tokens repeated back to back...
@@ -258,7 +258,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.train.num_steps = 80
       _selected_vs_baseline(c.compare)
   elif arg == "cpu":
-    # The draft this repository reports (BENCHMARKS.md): what a 2-core CPU trains in ~45 minutes.
+    # The draft this repository reports (BENCHMARKS.md, "Draft training"): a budget for a 2-core CPU.
     # V_d is cut to 8,192 because the draft's LM head dominates the step's cost on a CPU.
     c.data.max_length = 384
     c.draft_model.vocab_size = 8192
