@@ -68,7 +68,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distill.top_p = 1.0
   c.distill.seed = 0
   c.distill.batch_size = 16  # prompts per generate call (may change on resume; 16: the fastest measured, BENCHMARKS.md)
-  c.distill.segment_tokens = 0  # > 0: rounds of this many tokens, finished rows leave (slower on 2 CPU cores)
   c.distill.slots = 32  # continuous batching rows (0 = static batches); 32: more add little on a CPU (BENCHMARKS.md)
   c.distill.chunk_steps = 16  # continuous batching: decode steps between refills and loop checks
   c.distill.chunk_size = 64  # conversations per resumable chunk

@@ -7,10 +7,10 @@ On the first `--num_prompts` ShareGPT prompts that distillation would answer (`d
 the config's `distill` section: by default `make baseline`'s, prompts <= 192 tokens, answers <= 320, greedy,
 loops cut), both paths answer the same prompts in one process:
 
-* static: `distill.answer_prompts` with `slots=0`, length-sorted batches of `distill.batch_size`, each
+* static: `answering.answer_prompts` with `slots=0`, length-sorted batches of `distill.batch_size`, each
   decoding until its longest row ends (today's default);
 * continuous: `layerwave.continuous.Engine` with `--slots` rows, rows leaving at EOS, the budget, or as soon as
-  a repetition loop shows (`distill.stop_fn`), attention bounded by the live rows' length.
+  a repetition loop shows (`answering.stop_fn`), attention bounded by the live rows' length.
 
 Useful tokens are the tokens each answer keeps after the loop cut (what enters the training data). Both
 paths compile first on a few prompts (compilation excluded), then run in the order static, continuous,
@@ -37,9 +37,11 @@ from layerwave import atomic
 from layerwave import continuous
 from layerwave import options as options_lib
 from layerwave import sharding
+from layerwave.data import answering
 from layerwave.data import decontaminate
 from layerwave.data import distill
 from layerwave.data import sources
+from layerwave.data.options import DistillOptions
 from layerwave.inference import load_target
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py:recipe", lock_config=True)
@@ -55,20 +57,20 @@ _SKIP_STATIC = flags.DEFINE_bool("skip_static", False, "Only the continuous path
 
 def _static(target, prompts, options):
   tic = time.perf_counter()
-  answers, counts = distill.answer_prompts(target, [p.ids for p in prompts], options, (0, 0))
+  answers, counts = answering.answer_prompts(target, [p.ids for p in prompts], options, (0, 0))
   return answers, time.perf_counter() - tic, counts["row_steps"]
 
 
 def _continuous(target, prompts, options):
   engine = continuous.Engine(target, options.slots, options.max_new_tokens, options.max_prompt_tokens,
-                             stop_fn=distill.stop_fn(target, options), chunk_steps=options.chunk_steps)
+                             stop_fn=answering.stop_fn(target, options), chunk_steps=options.chunk_steps)
   engine.warmup()  # every prefill width and read bound compiles here, untimed (once per process)
   tic = time.perf_counter()
   for i, p in enumerate(prompts):
     engine.submit(continuous.Request(ids=p.ids, tag=i))
   rows = [None] * len(prompts)
   for f in engine.run():
-    rows[f.request.tag] = distill.make_answer(f.tokens, target, options)
+    rows[f.request.tag] = answering.make_answer(f.tokens, target, options)
   return rows, time.perf_counter() - tic, engine.stats["row_steps"]
 
 
@@ -77,7 +79,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  options = options_lib.from_section(distill.DistillOptions, config.distill, "distill",
+  options = options_lib.from_section(DistillOptions, config.distill, "distill",
                                      chat_format=config.data.chat_format)
   options = dataclasses.replace(options, num_prompts=_NUM.value + 8, slots=_SLOTS.value,
                                 chunk_steps=_CHUNK.value, batch_size=_BATCH.value or options.batch_size)

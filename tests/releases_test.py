@@ -25,6 +25,7 @@ def test_released_answers_rebuild_their_distilled_conversations(directory, tmp_p
   the release's content fingerprint (unpack checks it), and every chunk's ids are the prompt selection's."""
   import layerwave  # pylint: disable=g-import-not-at-top
   from layerwave.data import decontaminate, distill, sources  # pylint: disable=g-import-not-at-top
+  from layerwave.data.options import DistillOptions  # pylint: disable=g-import-not-at-top
   manifest = release.verify(directory)
   target = layerwave.load_target("smollm2-135m-instruct")
   workdir = str(tmp_path / "rebuilt")
@@ -33,8 +34,8 @@ def test_released_answers_rebuild_their_distilled_conversations(directory, tmp_p
   assert len(chunks) == manifest["chunks"]
   # The chunks hold exactly the first prompts that distillation selects with the release's settings.
   values = manifest["settings"]
-  options = distill.DistillOptions(**{k: v for k, v in values.items() if k in distill.DistillOptions.__dataclass_fields__},
-                                   num_prompts=manifest["prompts_covered"])
+  options = DistillOptions(**{k: v for k, v in values.items() if k in DistillOptions.__dataclass_fields__},
+                           num_prompts=manifest["prompts_covered"])
   index = decontaminate.EvalIndex.build(decontaminate.eval_prompts(options.exclude_sets), options.exclude_min_chars)
   prompts, _ = distill.select_prompts(sources.get_source(options.source), target.tokenizer, options, index)
   ids = []

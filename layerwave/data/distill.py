@@ -1,11 +1,12 @@
-"""Self-distilled training data: the target answers the training prompts itself (issue 12, part 1).
+"""Self-distilled training data: the target answers the training prompts itself.
 
 Place in the pipeline: before draft training. A draft learns to predict the target, so it should be trained
 on the target's own answers rather than on ChatGPT's: `run(config, workdir)` (launcher
 `experiments/distill.py`) takes the user turns of the prompt source (ShareGPT by default), lets the target
-answer them with `layerwave.generate` in large ragged batches, and writes the regenerated conversations as
-a tfds array_record dataset with the source's record schema (id, group, messages) plus `manifest.json`.
-Analysis and training read it unchanged through `data.source=distilled:DIR` (`sources.read_distilled`).
+answer them (`layerwave.data.answering`), and writes the regenerated conversations as a tfds array_record
+dataset with the source's record schema (id, group, messages) plus `manifest.json` (the workdir's layout:
+`layerwave.data.distilled`). Analysis and training read it unchanged through `data.source=distilled:DIR`
+(`sources.read_distilled`).
 
 Prompts. Conversations are taken in source order. A conversation is dropped (and counted) when any of its user
 turns overlaps an evaluation prompt (`decontaminate`: MT-bench first and second turns, HumanEval, GSM8K),
@@ -19,27 +20,14 @@ analysis and training read the data back with) renders prompts and history: the 
 for base models without one (Gemma-3-270M) `chat.render_plain`'s "User: ...\n\nAssistant: ..." paragraphs
 after BOS, ending with an open "Assistant:". A base model writes on past its answer into the next "\n\nUser:"
 paragraph instead of stopping at EOS, so a plain answer is cut where a new turn starts (`chat.cut_turn_end`)
-and counted (`turn_ends_cut`). Generation still runs to EOS or `max_new_tokens` (`layerwave.generate` has no
-multi-token stop), except that with `segment_tokens` > 0 such a row leaves after its round. The format enters
-the settings fingerprint and the manifest; `DataOptions.build` refuses to read the data in the other format.
+and counted (`turn_ends_cut`). The format enters the settings fingerprint and the manifest;
+`DataOptions.build` refuses to read the data in the other format.
 
-Batching. Each chunk of `chunk_size` conversations is answered turn by turn (`answer_prompts`): a turn's
-prompts are sorted by length and cut into batches of `batch_size`, padded to a few fixed widths (powers of
-two from 64) and row counts (powers of two up to `batch_size`), so decoding compiles a few times only. A
-batch decodes until its longest answer ends. With `segment_tokens` > 0 it decodes in rounds of that many
-tokens instead: rows that reached EOS, `max_new_tokens` or a repetition loop leave after each round and the
-rest are re-batched, at the cost of re-reading each live row's context in a prefill per round. That can
-only pay where a prefill token is much cheaper than a decode step (accelerators; not measured): on 2 CPU
-cores rounds of 64 were 1.5x slower than one call (same answers, byte for byte), so the default is 0. Greedy answers do not depend on
-the batching (a test checks them against `layerwave.generate` on each prompt alone), so `batch_size` and
-`segment_tokens` may change between runs of one workdir.
-
-Continuous batching (`slots` > 0, the configs' default). One `layerwave.continuous.Engine` answers every
-chunk still to do: conversations stream through `slots` decoding rows, a row leaves as soon as its answer
-ends (EOS, `max_new_tokens`) or would be cut anyway (`stop_fn`: a repetition loop, or in the plain format the
-start of a new turn, checked every `chunk_steps` tokens), and the next prompt takes it; a conversation's next
-turn goes to the front of the queue. A chunk file is written when its last conversation is done, so resumption
-is unchanged. Greedy answers are those of the static path (tested), so `slots` may change between runs.
+Batching. With `slots` > 0 (the configs' default) conversations stream through that many continuous-batching
+rows (`answering.stream_chunks`); with `slots` = 0 each chunk is answered turn by turn in static batches of
+`batch_size` (`answering.answer_chunk`). Greedy answers do not depend on the batching (tested against
+`layerwave.generate` on each prompt alone), so `batch_size`, `slots` and `chunk_steps` may change between
+runs of one workdir.
 
 Repetition loops. A small model often ends an answer by repeating a phrase until the token budget runs out;
 such answers are cut after the first occurrence of the repeated block (`repetition.find_loop` says how a loop
@@ -56,170 +44,35 @@ finished dataset (prompt selection is prefix-stable). When every chunk is done, 
 
 from __future__ import annotations
 
-import dataclasses
-import glob
-import hashlib
 import json
 import os
 import time
-import zlib
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from absl import logging
 
 from layerwave import atomic
-from layerwave import continuous
 from layerwave import options as options_lib
 from layerwave import sharding
+from layerwave.data import answering
 from layerwave.data import chat
 from layerwave.data import decontaminate
 from layerwave.data import distilled
-from layerwave.data import repetition
 from layerwave.data import sources
 from layerwave.data import tfds_builders
-from layerwave.generate import generate
+from layerwave.data.options import DistillOptions
 from layerwave.inference import Target, load_target
-from layerwave.sampling import SamplingParams
 
-__all__ = ["Answer", "DistillOptions", "Prompt", "answer_chunk", "answer_prompts", "distill", "make_answer", "run",
-           "select_prompts", "stop_fn", "stream_chunks"]
+__all__ = ["distill", "run", "select_prompts"]
 
 FORMAT_VERSION = 1
-MIN_WIDTH = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class DistillOptions:
-  """`config.distill`.
-
-  Attributes:
-    source: prompt source: a `sources.get_source` name (`sharegpt`) or `distilled:DIR`.
-    num_prompts: conversations to answer (the first ones that pass the filters); 0 = all.
-    turns: user turns answered per conversation (1 = the first; k = up to k, each after the target's own
-      earlier answers).
-    max_new_tokens: the answer budget per turn.
-    max_prompt_tokens: longer first prompts are skipped (and counted); a later turn that outgrows it ends
-      its conversation.
-    temperature, top_k, top_p: sampling (temperature 0 = greedy).
-    seed: sampling seed (each batch derives its own from it, the chunk, turn and batch).
-    batch_size: prompts per `generate` call.
-    segment_tokens: tokens decoded per round before finished rows leave and the rest are re-batched
-      (`answer_prompts`); 0 = the whole budget in one call (faster on a CPU).
-    slots: > 0 answers with continuous batching (`layerwave.continuous`): conversations stream through this
-      many decoding rows across chunks, a row leaves at EOS, `max_new_tokens`, a repetition loop or (plain
-      format) a new turn, and the next prompt (a conversation's next turn first) takes it. 0 = static batches
-      of `batch_size` (`segment_tokens` applies only there).
-    chunk_steps: with `slots`: decode steps between the host's refills and stop checks.
-    chunk_size: conversations per chunk, the unit of resumption.
-    loop_max_period: longest repeated block the loop cutter looks for (0 = no loop cutting).
-    loop_min_repeats: a loop must cover at least this many periods...
-    loop_min_tokens: ...and at least this many tokens.
-    keep_unfinished: keep answers that stop at `max_new_tokens` without EOS or a loop (False drops the turn
-      and ends the conversation there).
-    exclude: comma-separated evaluation sets whose prompts must not enter the data ("" = none).
-    exclude_min_chars: containment counts for strings of at least this many characters (equality always).
-    chat_format: how prompts and the regenerated history become text, one of `chat.CHAT_FORMATS`: "template"
-      (the tokenizer's chat template) or "plain" (base models; answers cut at the next turn). `run` sets it
-      from `config.data.chat_format`, so the data is read back in the format its prompts were written in.
-  """
-
-  source: str = "sharegpt"
-  num_prompts: int = 0
-  turns: int = 1
-  max_new_tokens: int = 512
-  max_prompt_tokens: int = 512
-  temperature: float = 0.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  batch_size: int = 16
-  segment_tokens: int = 0
-  slots: int = 0
-  chunk_steps: int = 16
-  chunk_size: int = 64
-  loop_max_period: int = 64
-  loop_min_repeats: int = 3
-  loop_min_tokens: int = 32
-  keep_unfinished: bool = True
-  exclude: str = ",".join(decontaminate.EVAL_SETS)
-  exclude_min_chars: int = 40
-  chat_format: str = "template"
-
-  # Settings a rerun of the same workdir may change (they change how much is done or how fast, not what).
-  RESUMABLE = ("num_prompts", "batch_size", "segment_tokens", "slots", "chunk_steps")
-  # Fields added after workdirs recorded their settings: left out of `settings()` while they hold these
-  # defaults, so those workdirs keep their fingerprint and resume.
-  LATE_DEFAULTS: ClassVar[dict] = {"chat_format": "template"}
-
-  def __post_init__(self):
-    checks = [
-        (self.max_new_tokens >= 1, "max_new_tokens must be >= 1 (tokens per answer)", "max_new_tokens=512"),
-        (self.turns >= 1, "turns must be >= 1", "turns=1"),
-        (self.max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1", "max_prompt_tokens=512"),
-        (self.num_prompts >= 0, "num_prompts must be >= 0 (0 = every prompt)", "num_prompts=0"),
-        (self.batch_size >= 1, "batch_size must be >= 1", "batch_size=32"),
-        (self.chunk_size >= 1, "chunk_size must be >= 1", "chunk_size=64"),
-        (self.segment_tokens >= 0, "segment_tokens must be >= 0 (0 = the whole budget at once)", "segment_tokens=0"),
-        (self.slots >= 0, "slots must be >= 0 (0 = static batches)", "slots=16"),
-        (self.chunk_steps >= 1, "chunk_steps must be >= 1", "chunk_steps=16"),
-        (self.loop_max_period >= 0, "loop_max_period must be >= 0 (0 = off)", "loop_max_period=64"),
-        (self.loop_min_repeats >= 2, "loop_min_repeats must be >= 2", "loop_min_repeats=3"),
-        (self.loop_min_tokens >= 0, "loop_min_tokens must be >= 0", "loop_min_tokens=32"),
-        (self.exclude_min_chars >= 1, "exclude_min_chars must be >= 1", "exclude_min_chars=40"),
-    ]
-    for ok, message, fix in checks:
-      if not ok:
-        value = getattr(self, fix.split("=")[0])
-        raise ValueError(f"distill.{message}, got {value}; set e.g. --config.distill.{fix}.")
-    if self.chat_format not in chat.CHAT_FORMATS:
-      raise ValueError(f"distill: the chat format must be one of {list(chat.CHAT_FORMATS)}, got "
-                       f"{self.chat_format!r}; set --config.data.chat_format=template (plain for a base model "
-                       "without a chat template).")
-    _ = self.sampling  # SamplingParams checks temperature, top-k and top-p
-    unknown = [name for name in self.exclude_sets if name not in sources.SOURCES]
-    if unknown:
-      raise ValueError(f"distill.exclude names unknown evaluation sets {unknown}; use names of "
-                       f"{sorted(sources.SOURCES)}, e.g. --config.distill.exclude={','.join(decontaminate.EVAL_SETS)}.")
-
-  @property
-  def sampling(self) -> SamplingParams:
-    try:
-      return SamplingParams(self.temperature, self.top_k, self.top_p)
-    except ValueError as e:
-      raise ValueError(f"distill: {e} Set --config.distill.temperature / top_k / top_p.") from e
-
-  @property
-  def exclude_sets(self) -> tuple[str, ...]:
-    return tuple(s.strip() for s in self.exclude.split(",") if s.strip())
-
-  def settings(self) -> dict[str, Any]:
-    """Every field that fixes what the data is (the resumable ones and late defaults left out)."""
-    return {k: v for k, v in dataclasses.asdict(self).items()
-            if k not in self.RESUMABLE and not (k in self.LATE_DEFAULTS and v == self.LATE_DEFAULTS[k])}
 
 
 # -- prompt selection --------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """One selected conversation: its position in the source, the record and its first prompt's token ids."""
-
-  index: int
-  record: sources.Record
-  ids: np.ndarray
-
-
-def _user_turns(record: sources.Record) -> list[str]:
-  return list(record.turns) or [m["content"] for m in record.messages if m["role"] == "user"]
-
-
-def _system(record: sources.Record) -> list[dict[str, str]]:
-  return [dict(m) for m in record.messages[:1] if m["role"] == "system"]
-
-
 def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: DistillOptions,
-                   index: decontaminate.EvalIndex | None) -> tuple[list[Prompt], dict[str, Any]]:
+                   index: decontaminate.EvalIndex | None) -> tuple[list[answering.Prompt], dict[str, Any]]:
   """The conversations to answer, in source order, and the counts of what was left out.
 
   Args:
@@ -250,18 +103,18 @@ def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: D
       break
     considered += 1
     record = records[n]
-    turns = _user_turns(record)
+    turns = answering.user_turns(record)
     if not turns:
       no_user += 1
       continue
-    ids = chat.encode_prompt(tokenizer, _system(record) + [{"role": "user", "content": turns[0]}],
+    ids = chat.encode_prompt(tokenizer, answering.system_messages(record) + [{"role": "user", "content": turns[0]}],
                              chat_format=options.chat_format)
     if len(ids) > options.max_prompt_tokens:
       too_long += 1
       continue
-    prompts.append(Prompt(index=n, record=record, ids=ids))
+    prompts.append(answering.Prompt(index=n, record=record, ids=ids))
   name = options.source
-  if not any(_user_turns(r) for r in records):
+  if not any(answering.user_turns(r) for r in records):
     raise sources.SourceError(f"The prompt source {name!r} has no user turns ({len(records)} records): "
                               "distillation answers user prompts. Use a conversation source, e.g. "
                               "--config.distill.source=sharegpt.")
@@ -274,298 +127,7 @@ def select_prompts(records: Sequence[sources.Record], tokenizer: Any, options: D
   return prompts, counts
 
 
-# -- answering ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Answer:
-  """One answer: its text, kept tokens (after the cuts, without EOS), and what ended it.
-
-  Attributes:
-    text: the answer, decoded without special tokens and stripped.
-    tokens: the tokens kept (those that spell `text`).
-    generated: the tokens generated (EOS and everything cut included).
-    eos: the kept answer ends at EOS (not when a new turn started before it).
-    loop_cut: a repetition loop was cut.
-    turn_end_cut: (plain format) the model started a new turn, and the answer was cut there.
-    ids: the kept token ids (`text` is their decoding): what a release stores to rebuild the data.
-  """
-
-  text: str
-  tokens: int
-  generated: int
-  eos: bool
-  loop_cut: bool
-  turn_end_cut: bool = False
-  ids: tuple[int, ...] = ()
-
-
-def make_answer(tokens: Sequence[int], target: Target, options: DistillOptions) -> Answer:
-  """One generated row (as `layerwave.generate` returns it, cut after EOS) → its `Answer`.
-
-  The EOS token is dropped; in the plain format the answer ends where a new turn starts (`chat.cut_turn_end`);
-  then a repetition loop is cut (`cut_loop`), the rest decoded without special tokens and trimmed.
-  """
-  tokens = list(tokens)
-  eos = bool(tokens) and tokens[-1] in target.eos_token_ids
-  body, turn_end = tokens[:-1] if eos else tokens, False
-  if options.chat_format == "plain":
-    body, turn_end = chat.cut_turn_end(body, target.tokenizer)
-  body, cut = repetition.cut_loop(body, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens)
-  text = target.tokenizer.decode(body, skip_special_tokens=True).strip()
-  return Answer(text=text, tokens=len(body), generated=len(tokens), eos=eos and not turn_end, loop_cut=cut,
-                turn_end_cut=turn_end, ids=tuple(int(t) for t in body))
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _seed(seed: int, *parts: int) -> int:
-  return zlib.crc32(json.dumps([seed, *parts]).encode()) & 0x7FFFFFFF
-
-
-def answer_prompts(target: Target, prompt_ids: Sequence[np.ndarray], options: DistillOptions,
-                   seed_parts: tuple[int, ...] = (), log_prefix: str = "") -> tuple[list[Answer], dict[str, float]]:
-  """Answers prompts in length-sorted batches; answers come in input order.
-
-  With `segment_tokens` = 0, one `generate` call per batch decodes the whole budget. Otherwise every round
-  decodes up to `segment_tokens` more tokens for each unfinished prompt (its prompt plus what it has so far,
-  re-read in one prefill) in batches of prompts of similar length. A prompt is finished at EOS, at
-  `max_new_tokens`, or as soon as its tokens hold a repetition loop (`repetition.find_loop`) or, in the plain
-  format, the start of a new turn (`chat.plain_turn_end`): either would be cut anyway. Finished rows leave,
-  so the next round's batches hold live rows only. Greedy answers are those of one `generate` call per
-  prompt either way.
-
-  Args:
-    target: the target (its tokenizer decodes the answers).
-    prompt_ids: one int array of token ids per prompt.
-    options: sampling, budgets, batch and segment sizes, loop settings.
-    seed_parts: distinguishes this call's sampling seeds from other calls' (chunk, turn).
-    log_prefix: prepended to the per-batch log line.
-
-  Returns:
-    (answers, counts): counts has `seconds` (in `generate`) and `row_steps` (rows x decode steps run,
-    padding rows included: generated tokens / row_steps is the batches' efficiency).
-  """
-  n = len(prompt_ids)
-  segment = options.segment_tokens or options.max_new_tokens
-  cap = -(-(options.max_prompt_tokens + options.max_new_tokens) // 16) * 16
-  multiple = sharding.data_size(target.mesh)
-  prompts = [list(map(int, p)) for p in prompt_ids]
-  tokens: list[list[int]] = [[] for _ in range(n)]
-  live = list(range(n))
-  counts = {"seconds": 0.0, "row_steps": 0}
-  rounds = -(-options.max_new_tokens // segment)
-  for r in range(rounds):
-    budget = min(segment, options.max_new_tokens - r * segment)  # every live row holds r * segment tokens
-    order = sorted(live, key=lambda i: (len(prompts[i]), i))
-    num_batches = -(-len(order) // options.batch_size)
-    for b in range(num_batches):
-      rows = order[b * options.batch_size:(b + 1) * options.batch_size]
-      batch = [prompts[i] + tokens[i] for i in rows]
-      width = min(max(MIN_WIDTH, _pow2_at_least(max(len(p) for p in batch))), cap)
-      padded = -(-min(_pow2_at_least(len(batch)), options.batch_size) // multiple) * multiple
-      batch += [batch[0]] * (padded - len(batch))  # a few fixed row counts and widths: few compilations
-      tic = time.perf_counter()
-      out, stats = generate(target, batch, budget, temperature=options.temperature, top_k=options.top_k,
-                            top_p=options.top_p, seed=_seed(options.seed, *seed_parts, r, b), prompt_width=width,
-                            return_stats=True)
-      elapsed = time.perf_counter() - tic
-      counts["seconds"] += elapsed
-      counts["row_steps"] += padded * stats["steps"]
-      for i, new in zip(rows, out):
-        tokens[i] += new
-      logging.info("%sround %d/%d batch %d/%d: %d prompts (width %d, %d rows), %d tokens in %.1f s (%.1f "
-                   "tokens/s).", log_prefix, r + 1, rounds, b + 1, num_batches, len(rows), width, padded,
-                   sum(len(x) for x in out[:len(rows)]), elapsed,
-                   sum(len(x) for x in out[:len(rows)]) / max(elapsed, 1e-9))
-    live = [i for i in live if not _finished(tokens[i], target, options)]
-    if not live:
-      break
-  return [make_answer(t, target, options) for t in tokens], counts
-
-
-def _finished(tokens: list[int], target: Target, options: DistillOptions) -> bool:
-  if len(tokens) >= options.max_new_tokens or (tokens and tokens[-1] in target.eos_token_ids):
-    return True
-  if options.chat_format == "plain" and chat.plain_turn_end(
-      target.tokenizer.decode(tokens, skip_special_tokens=True)) is not None:
-    return True
-  return bool(options.loop_max_period) and repetition.find_loop(
-      tokens, options.loop_max_period, options.loop_min_repeats, options.loop_min_tokens) is not None
-
-
-def _new_stats() -> dict[str, Any]:
-  keys = ("conversations", "assistant_turns", "tokens_written", "generated_tokens", "row_steps", "loops_cut",
-          "turn_ends_cut", "eos_terminated", "unfinished", "unfinished_dropped", "empty_dropped", "turns_too_long",
-          "seconds")
-  return {k: 0 for k in keys}
-
-
-def _new_conversation(p: Prompt) -> dict[str, Any]:
-  return {"index": p.index, "id": p.record.id, "group": p.record.split_key, "messages": _system(p.record),
-          "turns": _user_turns(p.record), "alive": True, "answer_tokens": []}
-
-
-def _turn_prompt(c: dict[str, Any], p: Prompt, turn: int, target: Target, options: DistillOptions,
-                 stats: dict[str, Any]) -> np.ndarray | None:
-  """The prompt of `turn` for conversation `c` (after its regenerated history), or None when it has none."""
-  if not c["alive"] or turn >= len(c["turns"]):
-    return None
-  if turn == 0:
-    return p.ids
-  prompt = chat.encode_prompt(target.tokenizer, c["messages"] + [{"role": "user", "content": c["turns"][turn]}],
-                              chat_format=options.chat_format)
-  if len(prompt) > options.max_prompt_tokens:
-    stats["turns_too_long"] += 1
-    c["alive"] = False
-    return None
-  return prompt
-
-
-def _record_answer(c: dict[str, Any], a: Answer, turn: int, options: DistillOptions, stats: dict[str, Any]) -> None:
-  """Counts answer `a` to `turn` and appends it to the conversation (or ends the conversation)."""
-  stats["generated_tokens"] += a.generated
-  stats["loops_cut"] += a.loop_cut
-  stats["turn_ends_cut"] += a.turn_end_cut
-  stats["eos_terminated"] += a.eos
-  unfinished = not (a.eos or a.loop_cut or a.turn_end_cut)
-  stats["unfinished"] += unfinished
-  if not a.text:
-    stats["empty_dropped"] += 1
-    c["alive"] = False
-  elif unfinished and not options.keep_unfinished:
-    stats["unfinished_dropped"] += 1
-    c["alive"] = False
-  else:
-    c["messages"] += [{"role": "user", "content": c["turns"][turn]}, {"role": "assistant", "content": a.text}]
-    c["answer_tokens"].append(list(a.ids))
-    stats["assistant_turns"] += 1
-    stats["tokens_written"] += a.tokens
-
-
-def _records(convs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-  """The chunk's kept conversations; `answer_tokens` (one id list per assistant turn) is stored in the chunk
-  file beside them (the compact release format is built from it) and left out of the dataset."""
-  return [{k: c[k] for k in ("index", "id", "group", "messages", "answer_tokens")} for c in convs
-          if any(m["role"] == "assistant" for m in c["messages"])]
-
-
-def answer_chunk(target: Target, prompts: Sequence[Prompt], options: DistillOptions, chunk: int,
-                 log_prefix: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
-  """Answers one chunk of conversations turn by turn in static batches; returns (conversation dicts, counts)."""
-  stats = _new_stats()
-  convs = [_new_conversation(p) for p in prompts]
-  for turn in range(options.turns):
-    active, ids = [], []
-    for c, p in zip(convs, prompts):
-      prompt = _turn_prompt(c, p, turn, target, options, stats)
-      if prompt is not None:
-        active.append(c)
-        ids.append(prompt)
-    if not active:
-      break
-    answers, counts = answer_prompts(target, ids, options, (chunk, turn),
-                                     f"{log_prefix}turn {turn + 1}/{options.turns} ")
-    stats["row_steps"] += counts["row_steps"]
-    for c, a in zip(active, answers):
-      _record_answer(c, a, turn, options, stats)
-  records = _records(convs)
-  stats["conversations"] = len(records)
-  return records, stats
-
-
-def stop_fn(target: Target, options: DistillOptions):
-  """What ends a continuous-batching row before EOS: whatever `make_answer` would cut anyway (`_finished`)."""
-  if not options.loop_max_period and options.chat_format != "plain":
-    return None
-  return lambda tokens: bool(tokens) and _finished(tokens, target, options)
-
-
-def stream_chunks(target: Target, prompts: Sequence[Prompt], chunk_ids: Sequence[int], options: DistillOptions):
-  """Answers chunks `chunk_ids` with continuous batching; yields `(k, records, stats)` as each chunk completes.
-
-  Every conversation's first turn is queued in chunk order; when a turn is answered, the conversation's next
-  turn goes to the front of the queue, so chunks complete roughly in order. A chunk's `seconds` and
-  `row_steps` are the engine's since the previous chunk completed.
-  """
-  size = options.chunk_size
-  engine = continuous.Engine(
-      target, options.slots, options.max_new_tokens, options.max_prompt_tokens, temperature=options.temperature,
-      top_k=options.top_k, top_p=options.top_p, seed=options.seed, stop_fn=stop_fn(target, options),
-      chunk_steps=options.chunk_steps, log_every=60.0)
-  state = {}  # k -> (convs, parts, stats, conversations left)
-  for k in chunk_ids:
-    part = list(prompts[k * size:(k + 1) * size])
-    convs = [_new_conversation(p) for p in part]
-    stats = _new_stats()
-    state[k] = [convs, part, stats, len(part)]
-    for i, (c, p) in enumerate(zip(convs, part)):
-      engine.submit(continuous.Request(ids=p.ids, seed_index=_seed(options.seed, k, i, 0), tag=(k, i, 0)))
-  last_seconds, last_steps = 0.0, 0
-  while engine.busy:
-    finished = engine.step()
-    completed = []
-    for f in finished:
-      k, i, turn = f.request.tag
-      convs, part, stats, _ = state[k]
-      c = convs[i]
-      _record_answer(c, make_answer(f.tokens, target, options), turn, options, stats)
-      nxt = _turn_prompt(c, part[i], turn + 1, target, options, stats) if turn + 1 < options.turns else None
-      if nxt is not None:
-        engine.submit(continuous.Request(ids=nxt, seed_index=_seed(options.seed, k, i, turn + 1),
-                                         tag=(k, i, turn + 1)), front=True)
-        continue
-      state[k][3] -= 1
-      if state[k][3] == 0:
-        completed.append(k)
-    for k in completed:
-      convs, _, stats, _ = state.pop(k)
-      stats["seconds"] = engine.stats["seconds"] - last_seconds
-      stats["row_steps"] = engine.stats["row_steps"] - last_steps
-      last_seconds, last_steps = engine.stats["seconds"], engine.stats["row_steps"]
-      records = _records(convs)
-      stats["conversations"] = len(records)
-      yield k, records, stats
-
-
 # -- the stage ---------------------------------------------------------------------------------------
-
-def _chunk_path(workdir: str, k: int) -> str:
-  return os.path.join(workdir, "chunks", f"{k:05d}.json")
-
-
-def _read_chunk(path: str, ids: list[str], fingerprint: str) -> dict[str, Any] | None:
-  """A finished chunk file holding exactly `ids` under `fingerprint`, or None (missing or stale)."""
-  if not os.path.isfile(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    chunk = json.load(f)
-  if chunk.get("fingerprint") != fingerprint or chunk.get("ids") != ids:
-    return None
-  return chunk
-
-
-def _check_workdir(workdir: str, settings: dict[str, Any], fingerprint: str) -> None:
-  """Refuses a workdir holding a run with other settings; records this run's settings otherwise."""
-  path = os.path.join(workdir, "settings.json")
-  if os.path.isfile(path):
-    with open(path, encoding="utf-8") as f:
-      old = json.load(f)
-    if old.get("fingerprint") != fingerprint:
-      before = old.get("settings", {})
-      diff = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
-      raise ValueError(
-          f"{workdir} holds distilled data made with other settings (fingerprint {old.get('fingerprint')} vs "
-          f"{fingerprint}; differing: {', '.join(diff) or 'format'}). Mixing them would give a dataset "
-          "whose answers disagree: rerun with the same settings (only num_prompts and batch_size may "
-          "change) or use a new --workdir.")
-    return
-  if os.path.isfile(os.path.join(workdir, sources.DISTILLED_MANIFEST)) or glob.glob(
-      os.path.join(workdir, "chunks", "*.json")):
-    raise ValueError(f"{workdir} holds distilled chunks but no settings.json; use a new --workdir.")
-  atomic.write_json(path, {"fingerprint": fingerprint, "settings": settings})
-
 
 def distill(target: Target, options: DistillOptions, workdir: str, *, model: str = "",
             records: Sequence[sources.Record] | None = None,
@@ -602,7 +164,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
               "dtype": str(np.dtype(target.model.compute_dtype)), "format_version": FORMAT_VERSION}
   settings = {**options.settings(), **identity}
   fingerprint = options_lib.fingerprint(settings)
-  _check_workdir(workdir, settings, fingerprint)
+  distilled.check_settings(workdir, settings, fingerprint)
 
   if records is None:
     records = sources.get_source(options.source)
@@ -622,7 +184,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
   chunks, todo = [], []
   for k in range(num_chunks):
     ids = [p.record.id for p in prompts[k * size:(k + 1) * size]]
-    chunk = _read_chunk(_chunk_path(workdir, k), ids, fingerprint)
+    chunk = distilled.read_chunk(workdir, k, ids, fingerprint)
     chunks.append(chunk)
     if chunk is None:
       todo.append(k)
@@ -632,11 +194,11 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
 
   def answered():
     if options.slots:
-      yield from stream_chunks(target, prompts, todo, options)
+      yield from answering.stream_chunks(target, prompts, todo, options)
       return
     for k in todo:
       tic = time.perf_counter()
-      conversations, stats = answer_chunk(target, prompts[k * size:(k + 1) * size], options, k,
+      conversations, stats = answering.answer_chunk(target, prompts[k * size:(k + 1) * size], options, k,
                                           f"chunk {k + 1}/{num_chunks} ")
       stats["seconds"] = time.perf_counter() - tic
       yield k, conversations, stats
@@ -645,7 +207,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
     part = prompts[k * size:(k + 1) * size]
     chunk = {"chunk": k, "fingerprint": fingerprint, "ids": [p.record.id for p in part],
              "stats": stats, "records": conversations}
-    atomic.write_json(_chunk_path(workdir, k), chunk)
+    distilled.write_chunk(workdir, chunk)
     chunks[k] = chunk
     run_seconds += stats["seconds"]
     run_tokens += stats["tokens_written"]
@@ -666,12 +228,12 @@ def _duration(seconds: float) -> str:
 
 def _finish(workdir, chunks, counts, options, identity, fingerprint, model, target, wall) -> dict[str, Any]:
   """Builds the dataset from the chunks when they changed, then writes the manifest."""
-  records = [{k: v for k, v in r.items() if k != "answer_tokens"} for c in chunks for r in c["records"]]
-  totals = _new_stats()
+  records = distilled.dataset_records(chunks)
+  totals = answering.new_stats()
   for c in chunks:
     for k in totals:
       totals[k] += c["stats"].get(k, 0)
-  content = hashlib.sha256(json.dumps(records, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+  content = distilled.content_fingerprint(records)
   manifest_path = os.path.join(workdir, sources.DISTILLED_MANIFEST)
   old = None
   if os.path.isfile(manifest_path):

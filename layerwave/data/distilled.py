@@ -1,9 +1,16 @@
-"""A self-distilled dataset on disk: its array_record builder and the identity of the model that wrote it.
+"""A self-distilled dataset on disk: the workdir's files, its array_record builder and who wrote it.
 
-Place in the pipeline: `layerwave.data.distill` writes the dataset (`build_dataset`) and records in its
-manifest who wrote it (`target_fingerprint`, `tfds_builders.tokenizer_fingerprint`); `sources.read_distilled`
-reads it back as `Record`s; `DataOptions.build` calls `check_source` so that analysis and training refuse data
+Place in the pipeline: the one module that knows a distillation workdir's layout. `layerwave.data.distill`
+writes it (`check_settings`, `write_chunk`, `build_dataset`) and records in its manifest who wrote it
+(`target_fingerprint`, `tfds_builders.tokenizer_fingerprint`); `layerwave.data.release` packs its chunks and
+rebuilds them (`finished_chunks`, `write_chunk`, `content_fingerprint`); `sources.read_distilled` reads the
+dataset back as `Record`s; `DataOptions.build` calls `check_source` so that analysis and training refuse data
 another target or tokenizer wrote, or data read in another chat format than its prompts were written in.
+
+The workdir: `settings.json` (the settings fingerprint and the settings it hashes, written before the first
+chunk), `chunks/NNNNN.json` (one per finished chunk: its index, the fingerprint, the conversation ids it
+covers, its counters, and its records, each with `answer_tokens`, the kept token ids of every answer),
+`dataset/` (built from the chunks, records without `answer_tokens`) and `manifest.json` (written last).
 
 The dataset has the record schema of the ShareGPT source: `id`, `group`, `index` (position in the prompt
 source) and `messages` (a sequence of `role` / `content` texts), in one split, "train" (`build_chat_dataset`
@@ -30,9 +37,12 @@ from layerwave.data import sources
 from layerwave.data import tfds_builders
 from layerwave.inference import Target
 
-__all__ = ["DistilledChat", "build_dataset", "check_source", "checkpoint_fingerprint", "target_fingerprint"]
+__all__ = ["DistilledChat", "SETTINGS", "build_dataset", "check_settings", "check_source", "checkpoint_fingerprint",
+           "chunk_path", "content_fingerprint", "dataset_records", "finished_chunks", "read_chunk", "read_settings",
+           "target_fingerprint", "write_chunk"]
 
 DATASET_NAME = "distilled_chat"
+SETTINGS = "settings.json"
 
 
 # -- fingerprints ------------------------------------------------------------------------------------
@@ -131,6 +141,84 @@ def check_source(source: str, tokenizer: Any, chat_format: str | None = None) ->
     raise ValueError(f"{directory} holds the answers of another target ({wrote['model']}, fingerprint "
                      f"{wrote['fingerprint']}) than the one reading it ({tokenizer.name_or_path}, fingerprint "
                      f"{model_fp}): a draft trained on them would learn another model. {fix}")
+
+
+# -- the workdir's settings and chunks ---------------------------------------------------------------
+
+def chunk_path(workdir: str, k: int) -> str:
+  """Where chunk k's file lives."""
+  return os.path.join(workdir, "chunks", f"{k:05d}.json")
+
+
+def read_settings(workdir: str) -> dict[str, Any] | None:
+  """`settings.json` ({"fingerprint", "settings"}), or None when the workdir has none."""
+  path = os.path.join(workdir, SETTINGS)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def check_settings(workdir: str, settings: dict[str, Any], fingerprint: str) -> None:
+  """Refuses a workdir holding a run with other settings (naming the fields that differ); records this run's
+  settings in a new one."""
+  old = read_settings(workdir)
+  if old is not None:
+    if old.get("fingerprint") != fingerprint:
+      before = old.get("settings", {})
+      diff = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+      raise ValueError(
+          f"{workdir} holds distilled data made with other settings (fingerprint {old.get('fingerprint')} vs "
+          f"{fingerprint}; differing: {', '.join(diff) or 'format'}). Mixing them would give a dataset "
+          "whose answers disagree: rerun with the same settings (only num_prompts, batch_size, slots and "
+          "chunk_steps may change) or use a new --workdir.")
+    return
+  if os.path.isfile(os.path.join(workdir, sources.DISTILLED_MANIFEST)) or glob.glob(
+      os.path.join(workdir, "chunks", "*.json")):
+    raise ValueError(f"{workdir} holds distilled chunks but no {SETTINGS}; use a new --workdir.")
+  atomic.write_json(os.path.join(workdir, SETTINGS), {"fingerprint": fingerprint, "settings": settings})
+
+
+def read_chunk(workdir: str, k: int, ids: list[str], fingerprint: str) -> dict[str, Any] | None:
+  """Chunk k's file if it is finished and holds exactly `ids` under `fingerprint`, else None (missing or stale)."""
+  path = chunk_path(workdir, k)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    chunk = json.load(f)
+  if chunk.get("fingerprint") != fingerprint or chunk.get("ids") != ids:
+    return None
+  return chunk
+
+
+def write_chunk(workdir: str, chunk: dict[str, Any]) -> None:
+  """Writes a finished chunk ({"chunk", "fingerprint", "ids", "stats", "records"}) atomically."""
+  atomic.write_json(chunk_path(workdir, int(chunk["chunk"])), chunk)
+
+
+def finished_chunks(workdir: str) -> list[dict[str, Any]]:
+  """The workdir's chunk files that belong to its settings, in chunk order ([] without settings)."""
+  settings = read_settings(workdir)
+  if settings is None:
+    return []
+  chunks = []
+  for path in sorted(glob.glob(os.path.join(workdir, "chunks", "[0-9]*.json"))):
+    with open(path, encoding="utf-8") as f:
+      chunk = json.load(f)
+    if chunk.get("fingerprint") == settings["fingerprint"]:
+      chunks.append(chunk)
+  return chunks
+
+
+def dataset_records(chunks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The dataset's records of these chunks, in order: the chunk records less their `answer_tokens`."""
+  return [{k: v for k, v in r.items() if k != "answer_tokens"} for c in chunks for r in c["records"]]
+
+
+def content_fingerprint(records: Sequence[dict[str, Any]]) -> str:
+  """The manifest's `dataset.content`: a hash of the dataset's records (what a rebuilt workdir must match)."""
+  text = json.dumps(list(records), sort_keys=True)
+  return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 # -- the dataset on disk -----------------------------------------------------------------------------

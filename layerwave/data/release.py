@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from layerwave import atomic
-from layerwave.data import distill
+from layerwave.data import answering
 from layerwave.data import distilled
 from layerwave.data import sources
 from layerwave.data import tfds_builders
@@ -52,24 +52,6 @@ def sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def _content(records: list[dict[str, Any]]) -> str:
-  """The distillation manifest's `dataset.content` of these records (same hash as `distill._finish`)."""
-  return hashlib.sha256(json.dumps(records, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def _finished_chunks(workdir: str) -> list[dict[str, Any]]:
-  """The workdir's chunk files that belong to its settings, in chunk order."""
-  with open(os.path.join(workdir, "settings.json"), encoding="utf-8") as f:
-    fingerprint = json.load(f)["fingerprint"]
-  chunks = []
-  for path in sorted(glob.glob(os.path.join(workdir, "chunks", "[0-9]*.json"))):
-    with open(path, encoding="utf-8") as f:
-      chunk = json.load(f)
-    if chunk.get("fingerprint") == fingerprint:
-      chunks.append(chunk)
-  return chunks
-
-
 def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extra: dict | None = None
          ) -> dict[str, Any]:
   """Writes (or extends) the compact release of `workdir`'s finished chunks; returns its manifest.
@@ -81,12 +63,11 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
     ReleaseError: the workdir has no settings or chunks, a chunk lacks the answers' token ids (a workdir from
       before they were stored), or the release holds another run's answers.
   """
-  if not os.path.isfile(os.path.join(workdir, "settings.json")):
-    raise ReleaseError(f"{workdir} is not a distillation workdir (no settings.json); run experiments/distill.py "
-                       "on it first.")
-  with open(os.path.join(workdir, "settings.json"), encoding="utf-8") as f:
-    settings = json.load(f)
-  chunks = _finished_chunks(workdir)
+  settings = distilled.read_settings(workdir)
+  if settings is None:
+    raise ReleaseError(f"{workdir} is not a distillation workdir (no {distilled.SETTINGS}); run "
+                       "experiments/distill.py on it first.")
+  chunks = distilled.finished_chunks(workdir)
   prefix = []
   for k, chunk in enumerate(chunks):
     if chunk["chunk"] != k:
@@ -107,7 +88,6 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
         raise ReleaseError(f"Chunk {chunk['chunk']} of {workdir} stores no answer token ids (written before "
                            "distillation kept them); distil it again into a new workdir to release it.")
       compact.append({"index": r["index"], "id": r["id"], "answers": r["answer_tokens"]})
-      records.append({k: v for k, v in r.items() if k != "answer_tokens"})
     body = {"chunk": chunk["chunk"], "ids": chunk["ids"], "stats": chunk["stats"], "records": compact}
     path = os.path.join(release_dir, f"answers-{chunk['chunk']:05d}.json.gz")
     data = gzip.compress(json.dumps(body, separators=(",", ":")).encode(), mtime=0)
@@ -120,16 +100,17 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
           raise ReleaseError(f"{path} differs from chunk {chunk['chunk']} of {workdir}.")
     for key, value in chunk["stats"].items():
       stats_total[key] = stats_total.get(key, 0) + value
-  atomic.write_json(os.path.join(release_dir, "settings.json"), settings)
+  records = distilled.dataset_records(prefix)
+  atomic.write_json(os.path.join(release_dir, distilled.SETTINGS), settings)
   files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(release_dir, "answers-*.json.gz")))
-  files.append("settings.json")
+  files.append(distilled.SETTINGS)
   manifest = {
       "format": FORMAT, "format_version": FORMAT_VERSION,
       "settings_fingerprint": settings["fingerprint"],
       "settings": settings["settings"],
       "chunks": len(prefix), "conversations": len(records),
       "prompts_covered": sum(len(c["ids"]) for c in prefix),
-      "content": _content(records),
+      "content": distilled.content_fingerprint(records),
       "stats": stats_total,
       "commands": list(commands or (old or {}).get("commands", [])),
       **(extra or {}),
@@ -191,8 +172,7 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
       whose rebuilt records do not match the release's content fingerprint.
   """
   manifest = verify(release_dir)
-  with open(os.path.join(release_dir, "settings.json"), encoding="utf-8") as f:
-    settings = json.load(f)
+  settings = distilled.read_settings(release_dir)
   values = settings["settings"]
   if target is None:
     target = load_target(values.get("model", "smollm2-135m-instruct"), dtype=values.get("dtype", "float32"))
@@ -203,7 +183,6 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
     raise ReleaseError(f"{release_dir} was decoded with another tokenizer; load the release's target.")
   if records is None:
     records = sources.get_source(values["source"])
-  rebuilt_all = []
   chunks = []
   for path in sorted(glob.glob(os.path.join(release_dir, "answers-*.json.gz"))):
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -214,28 +193,26 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
         raise ReleaseError(f"Conversation {r['id']} of {path} is not at position {r['index']} of the prompt source "
                            f"{values['source']!r}: the installed source differs from the one distilled.")
       source = records[r["index"]]
-      turns = distill._user_turns(source)  # pylint: disable=protected-access
-      messages = distill._system(source)  # pylint: disable=protected-access
+      turns = answering.user_turns(source)
+      messages = answering.system_messages(source)
       for t, ids in enumerate(r["answers"]):
         text = target.tokenizer.decode(ids, skip_special_tokens=True).strip()
         messages += [{"role": "user", "content": turns[t]}, {"role": "assistant", "content": text}]
       out.append({"index": r["index"], "id": r["id"], "group": source.split_key, "messages": messages,
                   "answer_tokens": r["answers"]})
-    rebuilt_all += [{k: v for k, v in x.items() if k != "answer_tokens"} for x in out]
     chunks.append({"chunk": body["chunk"], "fingerprint": settings["fingerprint"], "ids": body["ids"],
                    "stats": body["stats"], "records": out})
-  if _content(json.loads(json.dumps(rebuilt_all))) != manifest["content"]:
+  rebuilt = json.loads(json.dumps(distilled.dataset_records(chunks)))  # as a chunk file reads back
+  if distilled.content_fingerprint(rebuilt) != manifest["content"]:
     raise ReleaseError(f"The conversations rebuilt from {release_dir} do not match its content fingerprint "
                        f"{manifest['content']}: the prompt source or tokenizer decodes differently here.")
-  existing = os.path.join(workdir, "settings.json")
-  if os.path.isfile(existing):
-    with open(existing, encoding="utf-8") as f:
-      if json.load(f)["fingerprint"] != settings["fingerprint"]:
-        raise ReleaseError(f"{workdir} holds a distillation with other settings; unpack into a new workdir.")
-  else:
-    atomic.write_json(existing, settings)
+  existing = distilled.read_settings(workdir)
+  if existing is not None and existing["fingerprint"] != settings["fingerprint"]:
+    raise ReleaseError(f"{workdir} holds a distillation with other settings; unpack into a new workdir.")
+  if existing is None:
+    atomic.write_json(os.path.join(workdir, distilled.SETTINGS), settings)
   for chunk in chunks:
-    atomic.write_json(os.path.join(workdir, "chunks", f"{chunk['chunk']:05d}.json"), chunk)
+    distilled.write_chunk(workdir, chunk)
   return manifest
 
 

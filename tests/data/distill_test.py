@@ -1,4 +1,4 @@
-"""Tests for layerwave/data/distill.py and its parts (distilled.py, decontaminate.py, repetition.py): the
+"""Tests for layerwave/data/distill.py and its parts (answering.py, distilled.py, decontaminate.py, repetition.py): the
 self-distillation stage.
 
 On the tiny chat target (tests/conftest.py: random weights, SmolLM2's tokenizer and chat template): the loop
@@ -26,13 +26,14 @@ import transformers
 
 import layerwave
 from layerwave import options as options_lib
+from layerwave.data import answering
 from layerwave.data import chat
 from layerwave.data import decontaminate
 from layerwave.data import distill
 from layerwave.data import distilled as distilled_lib
 from layerwave.data import repetition
 from layerwave.data import sources
-from layerwave.data.options import DataOptions
+from layerwave.data.options import DataOptions, DistillOptions
 from layerwave.models import hub
 
 from tests import configs
@@ -41,9 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Small budgets for the tiny target (max_position_embeddings 256); its random answers fall into loops often
 # enough that a 12-token minimum makes the cutter act.
-# Rounds of 8 tokens: finished rows leave and the rest are re-batched 3 times per answer.
-OPTIONS = distill.DistillOptions(num_prompts=10, max_new_tokens=32, max_prompt_tokens=96, batch_size=4,
-                                 segment_tokens=8, chunk_size=4, loop_min_tokens=12)
+OPTIONS = DistillOptions(num_prompts=10, max_new_tokens=32, max_prompt_tokens=96, batch_size=4, chunk_size=4,
+                         loop_min_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_greedy_answers_equal_generate_on_each_prompt_alone(target, records, eva
     ids = chat.encode_prompt(target.tokenizer, system + [source.messages[len(system)]])
     alone = layerwave.generate(target, [ids.tolist()], OPTIONS.max_new_tokens)[0]
     assert record.messages[-1] == {"role": "assistant",
-                                   "content": distill.make_answer(alone, target, OPTIONS).text}
+                                   "content": answering.make_answer(alone, target, OPTIONS).text}
     assert record.messages[:-1] == tuple(system + [source.messages[len(system)]])
 
 
@@ -127,7 +127,7 @@ def test_resume_after_an_interruption_gives_the_same_records(target, records, ev
                                                             tmp_path, monkeypatch):
   reference = _read(distilled[0])
   workdir = str(tmp_path / "killed")
-  real, calls, kill = distill.answer_chunk, [], [True]
+  real, calls, kill = answering.answer_chunk, [], [True]
 
   def dies_in_the_second_chunk(*args, **kwargs):
     calls.append(args[3])
@@ -135,7 +135,7 @@ def test_resume_after_an_interruption_gives_the_same_records(target, records, ev
       raise KeyboardInterrupt("killed")
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(distill, "answer_chunk", dies_in_the_second_chunk)
+  monkeypatch.setattr(answering, "answer_chunk", dies_in_the_second_chunk)
   with pytest.raises(KeyboardInterrupt):
     distill.distill(target, OPTIONS, workdir, records=records, eval_prompts=evals)
   kill[0] = False
@@ -146,7 +146,7 @@ def test_resume_after_an_interruption_gives_the_same_records(target, records, ev
     f.write('{"chunk": 1, "recor')
   calls.clear()
   # Batching settings may change on resume: greedy answers do not depend on them.
-  manifest = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=3, segment_tokens=0), workdir,
+  manifest = distill.distill(target, dataclasses.replace(OPTIONS, batch_size=3), workdir,
                              records=records, eval_prompts=evals)
   assert calls == [1, 2]  # only the unfinished chunks ran again
   again = _read(workdir)
@@ -185,7 +185,7 @@ def test_a_killed_launcher_resumes_without_duplicates_or_gaps(target, tiny_chat_
   assert os.path.exists(first) and not os.path.exists(os.path.join(workdir, "manifest.json"))
   subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
   smoke = configs.load("smoke").distill
-  options = options_lib.from_section(distill.DistillOptions, smoke, "distill")
+  options = options_lib.from_section(DistillOptions, smoke, "distill")
   reference = str(tmp_path / "reference")
   distill.distill(target, options, reference)
   resumed = _read(workdir)
@@ -330,7 +330,7 @@ def test_bad_options_name_the_field(field, value, match):
   section = configs.load("smoke").distill.to_dict()
   section[field] = value
   with pytest.raises(ValueError, match=match):
-    options_lib.from_section(distill.DistillOptions, section, "distill")
+    options_lib.from_section(DistillOptions, section, "distill")
 
 
 def test_a_source_without_user_turns_is_refused(target, evals, tmp_path):
@@ -362,7 +362,7 @@ def test_later_turns_follow_the_regenerated_history(target, records, evals, tmp_
     system = [m for m in record.messages[:1] if m["role"] == "system"]
     ids = chat.encode_prompt(target.tokenizer, system + [user, first, second_user])
     alone = layerwave.generate(target, [ids.tolist()], options.max_new_tokens)[0]
-    assert second["content"] == distill.make_answer(alone, target, options).text
+    assert second["content"] == answering.make_answer(alone, target, options).text
 
 
 # -- continuous batching --------------------------------------------------------------------------------
@@ -454,47 +454,33 @@ def test_plain_answers_are_cut_where_the_model_starts_a_new_turn(model, label, r
   kept = tokenizer(answer, add_special_tokens=False)["input_ids"]
   more = tokenizer(answer + f"\n\n{label}: And of Spain?\n\nAssistant: Madrid", add_special_tokens=False)["input_ids"]
   assert more[:len(kept)] == kept and len(more) > len(kept) + 3
-  assert distill.make_answer(more + eos, target, PLAIN) == distill.Answer(
+  assert answering.make_answer(more + eos, target, PLAIN) == answering.Answer(
       text=answer.strip(), tokens=len(kept), generated=len(more) + 1, eos=False, loop_cut=False, turn_end_cut=True,
       ids=tuple(kept))
   # Without a new turn nothing is cut; the template format never cuts at a role label.
-  assert distill.make_answer(kept + eos, target, PLAIN) == distill.Answer(
+  assert answering.make_answer(kept + eos, target, PLAIN) == answering.Answer(
       text=answer.strip(), tokens=len(kept), generated=len(kept) + 1, eos=True, loop_cut=False, ids=tuple(kept))
-  assert distill.make_answer(more + eos, target, OPTIONS).text.endswith("Madrid")
+  assert answering.make_answer(more + eos, target, OPTIONS).text.endswith("Madrid")
   # The turn end is cut first; a loop before it is cut after.
   loop = tokenizer(" Yes" * 40 + "\n\nUser: why?", add_special_tokens=False)["input_ids"]
-  got = distill.make_answer(loop, target, PLAIN)
+  got = answering.make_answer(loop, target, PLAIN)
   assert (got.text, got.tokens, got.loop_cut, got.turn_end_cut) == ("Yes", 1, True, True)
 
 
-def test_a_plain_row_leaves_segmented_decoding_after_its_turn_ends(target, monkeypatch):
+def test_a_plain_row_leaves_continuous_decoding_once_its_turn_ends(target):
+  """`answering.stop_fn` ends a row as soon as `make_answer` would cut it anyway: at a new "User:" turn (plain
+  format) or a repetition loop; with neither to watch for it is None (rows run to EOS or the budget)."""
   tokenizer = target.tokenizer
-  prompts = [chat.encode_prompt(tokenizer, [{"role": "user", "content": q}], chat_format="plain").tolist()
-             for q in ("a?", "b?")]
-  scripts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (
-      " Yes.\n\nUser: and then the model rambles on and on for many more tokens",
-      " one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen")]
-  rounds = [0, 0]
-
-  def scripted(target, batch, budget, **kwargs):  # each row goes on with its script
-    del target, kwargs
-    out = []
-    for row in batch:
-      k = next(k for k, p in enumerate(prompts) if row[:len(p)] == p)
-      out.append(scripts[k][len(row) - len(prompts[k]):][:budget])
-    for k in {next(k for k, p in enumerate(prompts) if row[:len(p)] == p) for row in batch}:
-      rounds[k] += 1
-    return out, {"steps": budget}
-
-  monkeypatch.setattr(distill, "generate", scripted)
-  options = dataclasses.replace(PLAIN, segment_tokens=2, max_new_tokens=16, loop_max_period=0)
-  answers, _ = distill.answer_prompts(target, prompts, options)
-  assert tokenizer.convert_ids_to_tokens(scripts[0][:6]) == ["ĠYes", ".", "Ċ", "Ċ", "User", ":"]
-  assert rounds == [3, 8]  # "User:" is complete after 3 rounds of 2 tokens; the other row runs to 16 tokens
-  assert [(a.text, a.turn_end_cut) for a in answers] == [
-      ("Yes.", True), (tokenizer.decode(scripts[1][:16]).strip(), False)]
-  one_call, _ = distill.answer_prompts(target, prompts, dataclasses.replace(options, segment_tokens=0))
-  assert [a.text for a in one_call] == [a.text for a in answers]
+  script = tokenizer(" Yes.\n\nUser: and then the model rambles on", add_special_tokens=False)["input_ids"]
+  stop = answering.stop_fn(target, dataclasses.replace(PLAIN, loop_max_period=0))
+  ends = [n for n in range(1, len(script) + 1) if stop(script[:n])]
+  assert tokenizer.convert_ids_to_tokens(script[:6]) == ["ĠYes", ".", "Ċ", "Ċ", "User", ":"]
+  assert ends and ends[0] == 6 and ends == list(range(6, len(script) + 1))  # from the complete "User:" on
+  assert not stop([])
+  assert answering.stop_fn(target, dataclasses.replace(OPTIONS, loop_max_period=0)) is None
+  loops = answering.stop_fn(target, OPTIONS)
+  phrase = tokenizer(" the sea is blue and", add_special_tokens=False)["input_ids"]
+  assert not loops(phrase) and loops(phrase * 8)
 
 
 def test_plain_distillation_of_a_base_model_reads_back_in_the_plain_format(base_target, records, evals, tmp_path):
@@ -516,7 +502,7 @@ def test_plain_distillation_of_a_base_model_reads_back_in_the_plain_format(base_
       if m["role"] == "assistant":  # each answer is greedy decoding of its plain history alone, cut the same way
         alone = layerwave.generate(base_target, [_plain_prompt(tokenizer, messages[:k])], options.max_new_tokens,
                                    prompt_width=options.max_prompt_tokens)[0]  # one compilation for all
-        assert m["content"] == distill.make_answer(alone, base_target, options).text
+        assert m["content"] == answering.make_answer(alone, base_target, options).text
         answered += 1
   assert answered == manifest["output"]["assistant_turns"] > len(out) > 0  # second turns too
   dataset = DataOptions(source=f"distilled:{workdir}", max_length=256, heldout_fraction=0.0,
@@ -581,7 +567,7 @@ def test_real_smollm2_answers_four_prompts(tmp_path):
           "Write one sentence about the sea."]
   records = [sources.Record(id=f"q{i}", source="test", messages=({"role": "user", "content": q},), turns=(q,))
              for i, q in enumerate(asks)]
-  options = distill.DistillOptions(num_prompts=4, max_new_tokens=16, max_prompt_tokens=64, batch_size=4,
+  options = DistillOptions(num_prompts=4, max_new_tokens=16, max_prompt_tokens=64, batch_size=4,
                                    chunk_size=4, exclude="")
   manifest = distill.distill(target, options, str(tmp_path / "real"), records=records, eval_prompts={})
   out = _read(str(tmp_path / "real"))
@@ -613,7 +599,7 @@ def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, 
 
   rebuilt = str(tmp_path / "rebuilt")
   release.unpack(out, rebuilt, target=target, records=records)
-  monkeypatch.setattr(distill, "answer_chunk", lambda *a, **k: pytest.fail("a released chunk was distilled again"))
+  monkeypatch.setattr(answering, "answer_chunk", lambda *a, **k: pytest.fail("a released chunk was distilled again"))
   again = distill.distill(target, OPTIONS, rebuilt, records=records, eval_prompts=evals)
   assert again["dataset"]["content"] == manifest["dataset"]["content"]
   assert _read(rebuilt) == _read(workdir)
