@@ -29,16 +29,15 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 # The main job: analysis → selection → drafts on the selected and on EAGLE-3's layers → speculative
-# decoding on MT-bench prompts → comparison table and plots in out/demo (~13 min on 2 CPU cores).
+# decoding on MT-bench prompts → comparison table and plots in out/demo (README: how long it takes).
 demo: setup
 	$(PY) experiments/compare_layers.py --config=configs/smollm2_135m.py:demo --workdir=out/demo
 
-# The EAGLE-3 baseline draft on [2, 15, 27] from the target's own answers (issue 12; 58 min on 2 quiet CPU cores,
-# measured end to end: distill 28, extract 6, train 24; held-out sim tau 1.59, BENCHMARKS.md "make baseline, timed"):
-# the target answers BASELINE_PROMPTS ShareGPT prompts (greedy), its features are extracted once, and the
+# The EAGLE-3 baseline draft on [2, 15, 27] from the target's own answers (timed end to end in BENCHMARKS.md,
+# "make baseline, timed"): the target answers BASELINE_PROMPTS ShareGPT prompts (greedy), its features are extracted once, and the
 # draft trains offline from them: K = 3 and V_d 4,096 (each beat K = 5 / V_d 8,192 per CPU-second in the recipe
-# sweep) on length-bucketed batches (1.5x the real tokens/s of padded ones), BENCHMARKS.md "Drafts that pay off".
-# lr 3e-3: ahead of 1e-3 at both seeds of the 1-epoch sweep and at 400 steps (held-out sim tau 1.622 vs 1.593).
+# sweep) on length-bucketed batches (more real tokens/s than padded ones), BENCHMARKS.md "Drafts that pay off";
+# lr 3e-3 was ahead of 1e-3 in the recipe sweep.
 # Every stage resumes where it stopped: re-run `make baseline` after a kill.
 BASELINE ?= out/baseline
 BASELINE_PROMPTS ?= 1024
@@ -53,7 +52,7 @@ baseline: setup
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
 	    --config.train.lr=3e-3
 
-# The release campaign (issue 22), stage 1: the target answers CAMPAIGN_PROMPTS ShareGPT first turns with
+# The release campaign, stage 1: the target answers CAMPAIGN_PROMPTS ShareGPT first turns with
 # continuous batching (make baseline's distill settings: prompts <= 192 tokens, answers <= 320, greedy), hours
 # of CPU; it resumes where it stopped. `make release-answers` packs its finished chunks (token ids, no prompt
 # text) into releases/, from which `python -m layerwave.data.release unpack` rebuilds the workdir anywhere.

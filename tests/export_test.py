@@ -326,7 +326,7 @@ def test_engine_layer_ids():
                                                    "sglang_before_pr25454": None}
   assert eagle3.engine_layer_ids([0, 3, 6], L) == {"vllm": None, "sglang": None,
                                                    "sglang_before_pr25454": [1, 4, 7]}
-  # The reading side's public names stay importable from layerwave.export (split from it in issue 11).
+  # The reading side's public names stay importable from layerwave.export (where they were defined first).
   assert export.engine_layer_ids is eagle3.engine_layer_ids and export.load_eagle3 is eagle3.load_eagle3
   assert export.read_tensors is eagle3.read_tensors and export.is_eagle3_dir is eagle3.is_eagle3_dir
 

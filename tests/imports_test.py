@@ -1,6 +1,6 @@
 """The import graph of layerwave: one direction, no cycles, no hidden imports, and a light `import layerwave`.
 
-The stages import downwards only (issue 11): base utilities and layer ids → models → data → analysis /
+The stages import downwards only: base utilities and layer ids → models → data → analysis /
 selection / eagle3 / export → training → speculative → compare; the experiments/ launchers import the
 library, never each other.
 """
