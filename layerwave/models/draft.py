@@ -329,7 +329,8 @@ def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid):
   sd = jnp.where(diag_valid, sd, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)
   p0, pd = probs[..., :t].astype(v0.dtype), probs[..., t:].astype(vd.dtype)
-  out = jnp.einsum("bgrts,bsgd->btgrd", p0, v0) + jnp.einsum("bgrtj,jbtgd->btgrd", pd, vd)
+  out = (jnp.einsum("bgrts,bsgd->btgrd", p0, v0, preferred_element_type=jnp.float32)
+         + jnp.einsum("bgrtj,jbtgd->btgrd", pd, vd, preferred_element_type=jnp.float32)).astype(v0.dtype)
   return out.reshape(b, t, h, dh)
 
 

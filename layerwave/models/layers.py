@@ -33,7 +33,9 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if use_bias else None
 
   def __call__(self, x: Array) -> Array:
-    y = jnp.dot(x, self.kernel[...].astype(x.dtype))
+    # Accumulated in float32 and returned in x's dtype. For bfloat16 x this also lets XLA:CPU keep the
+    # bfloat16 operands in its library matmul; without it the dot is converted to float32 (BENCHMARKS.md).
+    y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     return y

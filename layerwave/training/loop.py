@@ -340,7 +340,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     it = data_lib.BatchIterator(train_source, **train_iterate)
     train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
         state, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=target.graphdef, optimizer=optimizer, **t.loss_kwargs)
+        target_graphdef=target.graphdef, optimizer=optimizer, **t.train_kwargs)
     eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
         state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
@@ -354,7 +354,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     it = features_lib.FeatureBatchIterator(train_source, slots, **train_iterate)
     train_fn = lambda state, batch: step_lib.train_step_offline(  # noqa: E731
         state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
-        optimizer=optimizer, **t.loss_kwargs)
+        optimizer=optimizer, **t.train_kwargs)
     eval_batches = lambda: features_lib.FeatureBatchIterator(heldout, slots, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step_offline(  # noqa: E731
         state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,

@@ -72,6 +72,8 @@ class TrainOptions:
       different text, all evaluated on the target's own answers); needs `features`.
     features: a feature store directory (experiments/extract_features.py) to train from offline, with no
       target in the step; "" = online (the target runs in every step).
+    compute_dtype: the draft's forward and backward passes in training: "float32" or "bfloat16" (parameters,
+      gradients and optimizer state stay float32; held-out evaluation always runs in float32, as inference).
     bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds batch_size *
       data.max_length token slots, as [batch_size * max_length / w, w] for the smallest width w >= its
       sequences' lengths, so short sequences stop paying for padding; () = every batch [batch_size,
@@ -106,6 +108,7 @@ class TrainOptions:
   eval_features: str = ""
   features: str = ""
   bucket_widths: tuple[int, ...] = ()
+  compute_dtype: str = "float32"
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
@@ -129,6 +132,8 @@ class TrainOptions:
              "train.features (a store to train from). Unset --config.train.eval_features to evaluate online.")
     _require(all(w >= 1 for w in self.bucket_widths), f"train.bucket_widths must be positive, got "
              f"{self.bucket_widths}; e.g. --config.train.bucket_widths=128,256 (max_length is always added).")
+    _require(self.compute_dtype in step_lib.COMPUTE_DTYPES, f"train.compute_dtype must be one of "
+             f"{list(step_lib.COMPUTE_DTYPES)}, got {self.compute_dtype!r}; set --config.train.compute_dtype=float32.")
     _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
              f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
 
@@ -148,6 +153,11 @@ class TrainOptions:
   def loss_kwargs(self) -> dict:
     """`train_step` / `eval_step`'s loss settings."""
     return dict(steps=self.ttt_steps, decay=self.decay, assistant_only=self.assistant_only)
+
+  @property
+  def train_kwargs(self) -> dict:
+    """`train_step`'s: the loss settings and the compute dtype."""
+    return dict(self.loss_kwargs, compute_dtype=self.compute_dtype)
 
   @property
   def eval_loss_kwargs(self) -> dict:

@@ -105,15 +105,31 @@ def init_state(params, optimizer: OptimizerSettings) -> TrainState:
                     opt_state=optimizer.build().init(params))
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def _compute_inputs(features, embed, compute_dtype: str):
+  """The draft's inputs in its compute dtype: the selected layers' features and the frozen embedding.
+
+  Every draft matmul computes in its input's dtype (`layers.Linear` casts the kernel to it), so bfloat16
+  inputs run the forward and backward passes in bfloat16 while the parameters, their gradients and the
+  optimizer state stay float32 (the cast's gradient is cast back); norms, attention scores and the logits
+  stay float32 as at inference.
+  """
+  dtype = jnp.dtype(compute_dtype)
+  return features.astype(dtype), jax.tree.map(lambda x: x.astype(dtype), embed)
+
+
 def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch, steps,
-             decay, assistant_only):
+             decay, assistant_only, compute_dtype="float32"):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
-  draft = nnx.merge(draft_graphdef, params, vocab, embed)
   target = nnx.merge(target_graphdef, target_params)
   positions = jnp.maximum(jnp.cumsum(attn, axis=-1) - 1, 0)
-  out = target(tokens, positions, causal_mask(attn), return_hidden_states=True,
-               hidden_layers=draft.config.layer_ids, compute_logits=False)
-  features = jax.lax.stop_gradient(out.hidden_states)
+  layer_ids = nnx.merge(draft_graphdef, params, vocab, embed).config.layer_ids
+  out = target(tokens, positions, causal_mask(attn), return_hidden_states=True, hidden_layers=layer_ids,
+               compute_logits=False)
+  features, draft_embed = _compute_inputs(jax.lax.stop_gradient(out.hidden_states), embed, compute_dtype)
+  draft = nnx.merge(draft_graphdef, params, vocab, draft_embed)
   final = jax.lax.stop_gradient(out.last_hidden).astype(jnp.float32)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
   # The offline step's targets, from the fields a feature store would hold (one path: offline == online).
@@ -130,11 +146,12 @@ def _metrics(loss, aux):
           "tokens_j": aux["tokens_j"], "in_vocab_j": aux["in_vocab_j"], "tokens": aux["tokens_j"][0]}
 
 
-def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only):
+def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only,
+                     compute_dtype="float32"):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
+  # Stored features may be bfloat16 on the host and in transfer; the draft reads them in its compute dtype.
+  features, embed = _compute_inputs(batch["features"], embed, compute_dtype)
   draft = nnx.merge(draft_graphdef, params, vocab, embed)
-  # Stored features may be bfloat16 on the host and in transfer; the draft reads float32.
-  features = batch["features"].astype(jnp.float32)
   logp, in_vocab = losses.offline_targets(batch["final"].astype(jnp.float32), head_rows, batch["argmax"],
                                           draft)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
@@ -151,23 +168,29 @@ def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only")
-TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only")
+TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only",
+                     "compute_dtype")
+TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only", "compute_dtype")
 
 
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
 def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_graphdef,
-               target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only):
-  """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's)."""
+               target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only,
+               compute_dtype: str = "float32"):
+  """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's).
+
+  `compute_dtype` ("float32" or "bfloat16", `COMPUTE_DTYPES`): the draft's forward and backward passes; the
+  parameters and optimizer state stay float32 (`_compute_inputs`).
+  """
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
-                               target_params, batch, steps, decay, assistant_only)
+                               target_params, batch, steps, decay, assistant_only, compute_dtype)
   return _update(state, optimizer, loss, aux, grads)
 
 
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_OFFLINE_STATIC, donate_argnames=("state",))
 def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, draft_graphdef,
-                       optimizer: OptimizerSettings, steps, decay, assistant_only):
+                       optimizer: OptimizerSettings, steps, decay, assistant_only, compute_dtype: str = "float32"):
   """One optimisation step from stored features (no target). Returns `(new_state, metrics)` (as `train_step`'s).
 
   Args:
@@ -175,11 +198,11 @@ def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, dra
     head_rows: `[D, V_d]` the target's LM head restricted to the draft vocabulary.
     batch: `input_ids`, `attention_mask`, `assistant_mask` `[B, T]`; `features` `[k, B, T, D]` (the draft's
       layers, any float dtype); `final` `[B, T, D]` h_L; `argmax` `[B, T]` int32 (a `FeatureBatch`).
-    draft_graphdef, optimizer, steps, decay, assistant_only: as `train_step`.
+    draft_graphdef, optimizer, steps, decay, assistant_only, compute_dtype: as `train_step`.
   """
   grad_fn = jax.value_and_grad(_offline_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
-                               assistant_only)
+                               assistant_only, compute_dtype)
   return _update(state, optimizer, loss, aux, grads)
 
 

@@ -13,6 +13,7 @@ from layerwave import sharding
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import losses
 from layerwave.training import step as step_lib
+from layerwave.training.options import TrainOptions
 
 from tests.models import hf_reference
 from tests.multidevice import run_on_eight_devices
@@ -114,3 +115,29 @@ def test_freeze_head_leaves_the_lm_head_and_trains_the_rest(tmp_path):
   np.testing.assert_array_equal(after["lm_head"]["kernel"][...], before["lm_head"]["kernel"][...])
   assert not np.array_equal(after["fc"]["kernel"][...], before["fc"]["kernel"][...])
   assert np.isfinite(float(m["loss"]))
+
+
+def test_bfloat16_compute_keeps_float32_state_and_follows_the_float32_step(tmp_path):
+  """`compute_dtype="bfloat16"`: the draft's matmuls run in bfloat16 (the compiled step holds bf16 dots), the
+  parameters, gradients and optimizer state stay float32, the first loss is the float32 one to bfloat16's
+  precision, and the loss falls on the overfit as in float32."""
+  target = make_peaky_target(str(tmp_path))
+  state, vocab, embed, batch, kw = setup(target)
+  bf16 = dict(kw, compute_dtype="bfloat16")
+  hlo = step_lib.train_step.lower(state, vocab, embed, target.params, batch, **bf16).as_text()
+  assert "bf16" in hlo and "bf16" not in step_lib.train_step.lower(
+      state, vocab, embed, target.params, batch, **kw).as_text()
+  _, m32 = step_lib.train_step(jax.tree.map(np.array, state), vocab, embed, target.params, batch, **kw)
+  history = []
+  for _ in range(60):
+    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **bf16)
+    history.append(float(m["loss"]))
+  assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
+  assert all(x.dtype in (np.float32, np.int32) for x in jax.tree.leaves(state.opt_state))
+  assert abs(history[0] - float(m32["loss"])) < 0.02 * float(m32["loss"])
+  assert history[-1] < 0.6 * history[0] and np.isfinite(float(m["grad_norm"]))
+
+
+def test_an_unknown_compute_dtype_is_refused():
+  with pytest.raises(ValueError, match=r"train.compute_dtype must be one of \['float32', 'bfloat16'\].*float32"):
+    TrainOptions(batch_size=8, num_steps=10, compute_dtype="float16")

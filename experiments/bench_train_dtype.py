@@ -1,0 +1,138 @@
+"""Benchmark: the offline draft-training step in float32 against bfloat16 compute, side by side.
+
+  python experiments/bench_train_dtype.py --batch=8 --seq_len=256 --k=3 --vocab=4096
+
+On the real target of `--config` (default SmolLM2-135M-Instruct: its embedding and LM-head rows), an EAGLE-3
+draft on `--layers` trains offline (`step.train_step_offline`, K = `--k`, V_d = `--vocab`) on batches shaped
+as a feature store yields them ([k, B, T, D] bfloat16 features, h_L, the target's argmax; random values: the
+step's time depends on the shapes only). The two compute dtypes (`train.compute_dtype`) alternate step by step
+(float32, bfloat16, ...) so both see the same machine load; each compiles in a warm-up first. It also reports
+whether XLA kept the draft's matmuls in bfloat16 (dots with bf16 operands in the optimized HLO) or converted
+them to float32. Prints, as its last line, `step time: float32 X s, bfloat16 Y s, ratio R` (medians, R =
+float32 / bfloat16: above 1 means bfloat16 is faster) and writes `W/bench_train_dtype.json`.
+
+Whether bfloat16 should be the default also needs the held-out τ of drafts trained both ways on the same
+store (`--config.train.compute_dtype=bfloat16` in experiments/train_draft.py); BENCHMARKS.md has both.
+"""
+
+import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
+import json
+import os
+import platform
+import re
+import statistics
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from layerwave import atomic
+from layerwave import layer_ids
+from layerwave import sharding
+from layerwave.inference import load_target
+from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import loop
+from layerwave.training import step as step_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "out/bench_train_dtype", "Where the JSON result goes.")
+_LAYERS = flags.DEFINE_string("layers", "2,15,27", "The draft's layers.")
+_BATCH = flags.DEFINE_integer("batch", 8, "B.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "T.")
+_K = flags.DEFINE_integer("k", 3, "TTT depth K.")
+_VOCAB = flags.DEFINE_integer("vocab", 4096, "Draft vocabulary V_d.")
+_STEPS = flags.DEFINE_integer("steps", 12, "Timed steps per dtype (after the warm-up).")
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _timed(fn) -> float:
+  tic = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - tic
+
+
+def _dots(hlo: str) -> dict[str, int]:
+  """The optimized HLO's dots (and convolutions) by the type of their operands: "bf16" where XLA kept the
+  bfloat16 operands (its library matmul accumulates them in float32), "f32" where they are float32 (or were
+  converted to it)."""
+  types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+  out = {"bf16": 0, "f32": 0}
+  for line in hlo.splitlines():
+    call = re.search(r"\b(?:dot|convolution)\((%[\w.\-]+), (%[\w.\-]+)\)", line)
+    if call:
+      out["bf16" if "bf16" in (types.get(call.group(1)), types.get(call.group(2))) else "f32"] += 1
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.INFO)
+  config = _CONFIG.value
+  mesh = sharding.make_mesh(config.mesh)
+  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  c = target.config
+  ids = layer_ids.parse_layer_ids(_LAYERS.value)
+  b, t, k = _BATCH.value, _SEQ_LEN.value, len(ids)
+  sharding.check_batch(mesh, b)
+  embedding = target.params["embed_tokens"]["embedding"][...]
+  draft = Draft(DraftConfig.from_target(c, ids, draft_vocab_size=_VOCAB.value), embedding=embedding,
+                rngs=nnx.Rngs(0))
+  loop.init_head_from_target(draft, target)
+  graphdef, params, vocab, embed = step_lib.split_draft(draft)
+  embed = jax.tree.map(lambda _: embedding, embed)
+  rep = sharding.replicated(mesh)
+  head = jax.device_put(loop.target_head(target)[:, :_VOCAB.value], rep)
+  vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
+  optimizer = step_lib.OptimizerSettings(1e-3, 2, 1000)
+  rng = np.random.default_rng(0)
+  batch = {"input_ids": rng.integers(0, c.vocab_size, (b, t)).astype(np.int32),
+           "attention_mask": np.ones((b, t), np.int32), "assistant_mask": np.ones((b, t), np.int32),
+           "features": jnp.asarray(rng.normal(size=(k, b, t, c.hidden_size)), jnp.bfloat16),
+           "final": jnp.asarray(rng.normal(size=(b, t, c.hidden_size)), jnp.bfloat16),
+           "argmax": rng.integers(0, _VOCAB.value, (b, t)).astype(np.int32)}
+  data = sharding.batch_sharding(mesh)
+  batch = {key: jax.device_put(v, data if key != "features" else jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, "data"))) for key, v in batch.items()}
+  states = {d: jax.device_put(step_lib.init_state(jax.tree.map(np.copy, params), optimizer), rep) for d in DTYPES}
+  kw = {d: dict(draft_graphdef=graphdef, optimizer=optimizer, steps=_K.value, decay=0.8, assistant_only=True,
+                compute_dtype=d) for d in DTYPES}
+  dots = {d: _dots(step_lib.train_step_offline.lower(states[d], vocab, embed, head, batch, **kw[d]).compile()
+                   .as_text()) for d in DTYPES}
+
+  def step(d):
+    states[d], m = step_lib.train_step_offline(states[d], vocab, embed, head, batch, **kw[d])
+    return m["loss"]
+
+  compile_s = {d: _timed(lambda d=d: step(d)) for d in DTYPES}
+  times = {d: [] for d in DTYPES}
+  for i in range(_STEPS.value):
+    for d in DTYPES:
+      times[d].append(_timed(lambda d=d: step(d)))
+    logging.info("step %d: %s", i, ", ".join(f"{d} {times[d][-1]:.3f}s" for d in DTYPES))
+  median = {d: statistics.median(times[d]) for d in DTYPES}
+  ratio = median["float32"] / median["bfloat16"]
+  machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+             "jax": jax.__version__, "devices": [str(x) for x in jax.devices()]}
+  result = {"model": config.model, "layers": list(ids), "K": _K.value, "V_d": _VOCAB.value, "batch": b,
+            "seq_len": t, "machine": machine, "median_step_s": median, "times": times,
+            "first_step_s": compile_s, "dots_in_optimized_hlo": dots, "ratio_f32_over_bf16": ratio,
+            "tokens_per_s": {d: b * t / median[d] for d in DTYPES}}
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  atomic.write_json(os.path.join(_WORKDIR.value, "bench_train_dtype.json"), result)
+  print(json.dumps({k_: result[k_] for k_ in ("median_step_s", "dots_in_optimized_hlo", "tokens_per_s")}))
+  print(f"step time: float32 {median['float32']:.3f} s, bfloat16 {median['bfloat16']:.3f} s, ratio {ratio:.2f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
