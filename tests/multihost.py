@@ -4,7 +4,12 @@ Each process has one CPU device, finds the coordinator in JAX_COORDINATOR_ADDRES
 JAX_PROCESS_ID (what `sharding.maybe_initialize_distributed` reads, so the script must call it, or a stage that
 does, before anything touches the XLA backend), and gets `ARGS` (strings) and `PROCESS` (its id) after a
 prelude that puts the repository on `sys.path` and sets tests/conftest.py's matmul precision. Every process
-passes its result to `write_result(obj)`; the caller gets the list, one per process.
+passes its result to `write_result(obj)`; the caller gets the list, one per process. The processes inherit
+tests/conftest.py's persistent compilation cache through the environment (only process 0 writes to it), and 30 s
+before the timeout a process that is still running prints every thread's Python stack and exits, so a hang fails
+with the place it hung in the assertion message. The thread pools keep XLA's default size (the core count): with
+one device per process that leaves a thread beside the device's, which the 8-device runs of tests/multidevice.py
+lacked (on one core jaxlib runs LAPACK batches inline, so the case does not arise).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PRELUDE = """
-import json, os, sys
+import faulthandler, json, os, sys
 sys.path.insert(0, sys.argv[1])
+faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
-OUT, ARGS = sys.argv[2], sys.argv[3:]
+OUT, ARGS = sys.argv[2], sys.argv[4:]
 PROCESS = int(os.environ["JAX_PROCESS_ID"])
 
 
@@ -50,7 +56,8 @@ def run_in_processes(script: str, tmp_path, *args: Any, num_processes: int = 2, 
                JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i))
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     procs.append(subprocess.Popen([sys.executable, "-c", _PRELUDE + textwrap.dedent(script), REPO, outs[i],
-                                   *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                                   str(max(timeout - 30, 1)), *map(str, args)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
   logs = []
   try:
     for p in procs:
