@@ -82,22 +82,34 @@ def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_ch
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
 
 
-_DISTILL = """
-from layerwave.data import distill
-from tests import configs
-config = configs.load("smoke")
-config.model, config.distributed = ARGS[0], True
+def _refusal(setup: str, call: str) -> str:
+  """A script that runs `setup`, then `call`, and reports the ValueError `call` raised ("ran" if none)."""
+  return setup + f"""
 try:
-  distill.run(config, os.path.join(ARGS[1], "distill"))
+  {call}
   write_result("ran")
 except ValueError as e:
   write_result(str(e))
 """
 
 
+def _assert_refused(script, tmp_path, name, tiny_chat_target_dir, message):
+  """Runs a `_refusal` script in two processes; both must raise a ValueError that says `message`."""
+  errors = _stage(script, tmp_path, name, tiny_chat_target_dir, num_processes=2)
+  assert all(message in e for e in errors), errors
+
+
+_DISTILL = _refusal("""
+from layerwave.data import distill
+from tests import configs
+config = configs.load("smoke")
+config.model, config.distributed = ARGS[0], True
+""", 'distill.run(config, os.path.join(ARGS[1], "distill"))')
+
+
 def test_a_single_process_stage_refuses_two_processes_before_it_starts(tiny_chat_target_dir, tmp_path):
-  errors = _stage(_DISTILL, tmp_path, "distill", tiny_chat_target_dir, num_processes=2)
-  assert all("Distillation runs in one JAX process, not 2" in e for e in errors), errors
+  _assert_refused(_DISTILL, tmp_path, "distill", tiny_chat_target_dir,
+                  "Distillation runs in one JAX process, not 2")
   assert not (tmp_path / "distill-2" / "distill").exists()
 
 
@@ -123,17 +135,12 @@ def test_extraction_and_offline_training_in_two_processes_equal_one(tiny_chat_ta
       np.testing.assert_allclose(np.asarray(b[i][key]), np.asarray(a[i][key]), atol=1e-5)
 
 
-_DISAGREE = _TRAIN_CONFIG + """
+_DISAGREE = _refusal(_TRAIN_CONFIG + """
 if PROCESS == 1:
   config.train.lr = 5e-3
-try:
-  loop.run(config, os.path.join(ARGS[1], "train"))
-  write_result("ran")
-except ValueError as e:
-  write_result(str(e))
-"""
+""", 'loop.run(config, os.path.join(ARGS[1], "train"))')
 
 
 def test_processes_started_with_different_configs_are_refused(tiny_chat_target_dir, tmp_path):
-  errors = _stage(_DISAGREE, tmp_path, "disagree", tiny_chat_target_dir, num_processes=2)
-  assert all("processes [1] were started with a config other than process 0's" in e for e in errors), errors
+  _assert_refused(_DISAGREE, tmp_path, "disagree", tiny_chat_target_dir,
+                  "processes [1] were started with a config other than process 0's")
