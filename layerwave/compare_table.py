@@ -140,6 +140,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     cells += [f"{r['metrics'][m]['mean']:.0%}" if r["metrics"][m]["n"] else "–" for m in equal]
     lines.append("| " + " | ".join(cells) + " |")
   corr = summary["spearman_objective"]
+  release = _release_lines(summary.get("release"), primary, bool(speed))
   notes = [f"\nMean ± 95 % CI (Student t) over seeds {summary['seeds']}; Δτ is the paired difference against "
            f"`{summary['baseline']}` (same seed). τ = new tokens per target verification (bonus token "
            "included)."]
@@ -156,4 +157,25 @@ def markdown_table(summary: dict[str, Any]) -> str:
     else:
       notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
                    f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
-  return "\n".join(lines + notes)
+  return "\n".join(release + lines + notes)
+
+
+def _release_lines(row: dict | None, primary: str, timed: bool) -> list[str]:
+  """The released draft's line above the table (`compare.release_row`), or nothing without one."""
+  if not row:
+    return []
+  if row.get("missing"):
+    return [f"Released draft `{row['name']}`: not under releases/ yet (there: {', '.join(row['available']) or 'none'};"
+            " `make release-draft` writes it).\n"]
+  ev = row["eval"].get(primary, {})
+  parts = [f"τ {primary} {ev.get('tau', float('nan')):.3f}"]
+  if timed and "speedup" in ev:
+    parts.append(f"speedup {ev['speedup']:.2f} [{ev['speedup_p25']:.2f}, {ev['speedup_p75']:.2f}] over plain "
+                 f"decoding (median of {ev.get('timing_pairs', 0)} paired runs)")
+  if "equal_to_ar" in ev:
+    parts.append(f"greedy = plain decoding {ev['equal_to_ar']:.0%}")
+  held = row.get("manifest_metrics", {}).get("heldout_sim_tau")
+  if held is not None:
+    parts.append(f"held-out sim τ {held:.3f} (its manifest)")
+  return [f"Released draft `{row['name']}` (layers {','.join(map(str, row['layer_ids']))}, {row.get('dtype')}): "
+          + "; ".join(parts) + ".\n"]

@@ -16,10 +16,13 @@ import ml_collections
 import numpy as np
 import pytest
 
+import layerwave
 from layerwave import compare
 from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.speculative import evaluate
+from layerwave.training import release as draft_release
+from layerwave.training import restore
 
 from tests import configs
 
@@ -318,14 +321,34 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with open(os.path.join(workdir, "results.md")) as f:
     table = f.read()
   assert "| **eagle3** | 2,4,5 |" in table and "the median of 3 pair ratios" in table
-  # Rerun with one more manual set: finished cells are skipped, only the new one trains.
+  assert "Released draft" not in table  # :smoke names no release
+  # The eagle3 cell's draft released (bf16) into a releases folder of the test's own.
+  target = layerwave.load_target(tiny_chat_target_dir)
+  releases = tmp_path / "releases"
+  draft_release.write(restore.load_draft(os.path.join(workdir, "cells", "L2-4-5", "seed0"), target),
+                      target, str(releases / "tiny-eagle3"), model=tiny_chat_target_dir)
+  env = dict(os.environ, LAYERWAVE_RELEASES=str(releases))
+  # Rerun with one more manual set and the release: finished cells are skipped, only the new one trains, and
+  # the released draft decodes the same prompts beside them.
   manual = next(s for s in ([5, 6, 7], [1, 2, 3]) if s not in [r["ids"] for r in rows.values()])  # a new set
-  grown = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual))], check=True, cwd=ROOT,
-                         timeout=600, capture_output=True, text=True)
+  grown = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)),
+                                 "--config.compare.release=tiny-eagle3"], check=True, cwd=ROOT,
+                         timeout=600, capture_output=True, text=True, env=env)
   assert os.path.getmtime(cells[0]) == stamp
   assert "Cell 1/3" not in grown.stderr and f"Cell 3/3: manual-0 {manual} seed 0" in grown.stderr
   with open(os.path.join(workdir, "results.json")) as f:
-    assert json.load(f)["cells_done"] == 3
+    summary = json.load(f)
+  assert summary["cells_done"] == 3
+  released = summary["release"]["eval"]["T0/all"]
+  assert released["equal_to_ar"] == 1.0 and 1.0 <= released["tau"] <= 4 and released["speedup"] > 0
+  assert released["timing_pairs"] == 3 and summary["release"]["layer_ids"] == [2, 4, 5]
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16): τ T0/all" in f.read()
+  missing = subprocess.run(base + ["--config.compare.release=no-such-draft", "--config.compare.report_only=True"],
+                           check=True, cwd=ROOT, timeout=600, capture_output=True, text=True, env=env)
+  assert "no such release" in missing.stderr and "releases: tiny-eagle3" in missing.stderr
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "Released draft `no-such-draft`: not under releases/ yet (there: tiny-eagle3" in f.read()
   # A typo fails before anything is recorded: the corrected config then starts cleanly in that workdir.
   fresh = str(tmp_path / "fresh")
   typo = subprocess.run(base[:-1] + ["--workdir=" + fresh, "--config.compare.datasets=mtbench,gsm9k",
