@@ -65,6 +65,10 @@ def test_kernel_runs_this_interpreter(monkeypatch, tmp_path):
   assert os.path.realpath(_stdout(nb).strip()) == os.path.realpath(sys.executable)
 
 
+# The two notebook runs re-run whole pipelines on the real SmolLM2 that the default run covers elsewhere (the
+# analysis: tests/analysis/analyze_test.py; training and lossless speculation: tests/training, tests/speculative,
+# tests/releases_test.py): `make test-all` runs them.
+@pytest.mark.slow
 def test_layer_wave_notebook(monkeypatch, tmp_path):
   nb = _execute(nbformat.read(os.path.join(COLABS, "layer_wave.ipynb"), as_version=4), monkeypatch,
                 tmp_path / "wave")
@@ -77,6 +81,7 @@ def test_layer_wave_notebook(monkeypatch, tmp_path):
   assert (tmp_path / "wave" / "selection.json").exists()
 
 
+@pytest.mark.slow
 def test_speculative_decoding_notebook(monkeypatch, tmp_path):
   nb = _execute(nbformat.read(os.path.join(COLABS, "speculative_decoding.ipynb"), as_version=4),
                 monkeypatch, tmp_path / "spec")

@@ -169,6 +169,9 @@ def test_resume_after_an_interruption_gives_the_same_records(target, records, ev
   assert _read(workdir)[:10] == reference
 
 
+# A real SIGKILL of the launcher; by default the resume is covered in process (above: an interrupted chunk and a
+# half-written file) and by the killed continuous run below.
+@pytest.mark.slow
 def test_a_killed_launcher_resumes_without_duplicates_or_gaps(target, tiny_chat_target_dir, tmp_path):
   workdir = str(tmp_path / "launcher")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "distill.py"),
