@@ -7,8 +7,9 @@ Public API (the pipeline in order):
   export_eagle3(draft, target, dir) the draft as an EAGLE-3 Hugging Face directory (vLLM, SGLang)
   load_eagle3(dir, target)          an EAGLE-3 Hugging Face directory (ours or a published draft)
 
-Importing layerwave sets OPENBLAS_NUM_THREADS=1 unless it is already set (below); launchers and the tests
-import it before numpy and jax for that reason.
+Importing layerwave sets OPENBLAS_NUM_THREADS=1, and with simulated CPU devices (`XLA_FLAGS=
+--xla_force_host_platform_device_count=N`) PJRT_NPROC=4N, unless they are already set (below); launchers and
+the tests import it before numpy and jax for that reason.
 """
 
 import os
@@ -18,6 +19,24 @@ import os
 # statistics"); one thread is as fast on an idle machine. OpenBLAS reads the variable when it loads, so it is
 # set before anything here imports numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def _simulated_devices(flags: str) -> int:
+  for flag in flags.split():
+    if flag.startswith("--xla_force_host_platform_device_count="):
+      try:
+        return int(flag.split("=", 1)[1])
+      except ValueError:
+        return 0
+  return 0
+
+
+# With N simulated CPU devices XLA sizes its thread pools max(cores, N): when all N devices enter jaxlib's
+# batched eigvalsh (the analysis' matrix entropy) together, each splits its batch into tasks on that pool and
+# waits, no thread is left to run them, and the process hangs (tests/multidevice.py). Four threads per device
+# leave room; XLA reads PJRT_NPROC when its backend starts, so it is set before anything here imports jax.
+if _simulated_devices(os.environ.get("XLA_FLAGS", "")) > 1:
+  os.environ.setdefault("PJRT_NPROC", str(4 * _simulated_devices(os.environ["XLA_FLAGS"])))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from layerwave.eagle3 import load_eagle3
