@@ -144,3 +144,14 @@ if PROCESS == 1:
 def test_processes_started_with_different_configs_are_refused(tiny_chat_target_dir, tmp_path):
   _assert_refused(_DISAGREE, tmp_path, "disagree", tiny_chat_target_dir,
                   "processes [1] were started with a config other than process 0's")
+
+
+_ODD_BATCH = _refusal(_TRAIN_CONFIG + """
+config.train.batch_size = 3
+""", 'loop.run(config, os.path.join(ARGS[1], "train"))')
+
+
+def test_a_global_batch_the_processes_cannot_split_is_refused(tiny_chat_target_dir, tmp_path):
+  _assert_refused(_ODD_BATCH, tmp_path, "odd", tiny_chat_target_dir,
+                  "Batch size 3 is not divisible by the mesh's 'data' axis (2 devices)")
+  assert not (tmp_path / "odd-2" / "train" / "checkpoints").exists()
