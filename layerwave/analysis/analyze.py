@@ -75,7 +75,7 @@ def run(config, workdir: str) -> dict:
           "source": data_options.source, "max_length": data_options.max_length,
           "fingerprint": {k: ds.metadata.get(k) for k in ("tokenizer_fingerprint", "records_fingerprint",
                                                           "num_records", "split_seed", "heldout_fraction")}}
-  data.update({k: v for k, v in data_options.record().items() if k in DataOptions.LATE_DEFAULTS})
+  data["chat_format"] = data_options.chat_format
   config_dict = config.to_dict()
   hash_value = report.data_hash(data, model, config_dict["analysis"])
   candidates = layer_ids.default_candidates(cfg.num_layers, selection_options.include_embeddings,

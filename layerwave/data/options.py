@@ -43,10 +43,6 @@ class DataOptions:
   split_seed: int = 0
   chat_format: str = "template"
 
-  # Fields added after workdirs recorded this section: `record()` leaves them out while they hold these
-  # defaults, so the fingerprints of earlier checkpoints, comparisons and stores still match.
-  LATE_DEFAULTS: ClassVar[dict] = {"chat_format": "template"}
-
   def __post_init__(self):
     if self.max_length < 2:
       raise ValueError(f"data.max_length must be >= 2 tokens, got {self.max_length}; set "
@@ -61,16 +57,8 @@ class DataOptions:
                        "set --config.data.chat_format=template (plain for a base model).")
 
   def record(self) -> dict[str, Any]:
-    """The options as the dict that workdirs, fingerprints and feature stores record (late defaults left out)."""
-    return self.drop_late_defaults(dataclasses.asdict(self))
-
-  @classmethod
-  def drop_late_defaults(cls, data_section: dict) -> dict:
-    """Removes `LATE_DEFAULTS` fields holding their defaults from a data section (in place; returned)."""
-    for name, default in cls.LATE_DEFAULTS.items():
-      if name in data_section and data_section[name] == default:
-        data_section.pop(name)
-    return data_section
+    """The options as the dict that workdirs, fingerprints and feature stores record."""
+    return dataclasses.asdict(self)
 
   def build(self, tokenizer) -> tfds_builders.ChatDataset:
     """Builds (or reuses) the chat dataset these options name.
@@ -142,8 +130,8 @@ class DistillOptions:
 
   # Settings a rerun of the same workdir may change (they change how much is done or how fast, not what).
   RESUMABLE = ("num_prompts", "batch_size", "slots", "chunk_steps")
-  # Fields added after workdirs recorded their settings: left out of `settings()` while they hold these
-  # defaults, so those workdirs keep their fingerprint and resume.
+  # Left out of `settings()` while it holds its default: the settings fingerprint of the committed answers
+  # release (releases/smollm2-135m-instruct-distilled) was recorded without it, and must keep resuming.
   LATE_DEFAULTS: ClassVar[dict] = {"chat_format": "template"}
 
   def __post_init__(self):

@@ -30,13 +30,10 @@ def test_bad_data_values_are_refused_naming_the_field(field, value, message):
     options_lib.from_section(DataOptions, config, "data")
 
 
-def test_the_record_leaves_out_late_defaults_so_old_fingerprints_hold():
-  """Workdirs recorded the data section before `chat_format` existed: with its default it is left out."""
+def test_the_record_holds_every_field():
   data = options_lib.from_section(DataOptions, configs.load("smoke").data, "data")
-  assert data.chat_format == "template" and "chat_format" not in data.record()
-  assert data.record() == {k: v for k, v in dataclasses.asdict(data).items() if k != "chat_format"}
-  plain = dataclasses.replace(data, chat_format="plain")
-  assert plain.record()["chat_format"] == "plain"
+  assert data.record() == dataclasses.asdict(data) and data.record()["chat_format"] == "template"
+  assert dataclasses.replace(data, chat_format="plain").record()["chat_format"] == "plain"
 
 
 def test_the_gemma_config_reads_as_plain_text_data():

@@ -42,7 +42,6 @@ import numpy as np
 
 from layerwave import atomic
 from layerwave import options as options_lib
-from layerwave.data.options import DataOptions
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -380,9 +379,7 @@ def check_for_training(store: FeatureStore, *, target_config, target_dtype: str,
                      f"({store.seq_len}): its sequences were cut at {store.seq_len} tokens when extracted. Set "
                      f"--config.data.max_length={store.seq_len} (or less), or extract a store with longer "
                      "sequences.")
-  # A field newer than the store (`DataOptions.LATE_DEFAULTS`) counts as its default on both sides.
-  stored_data = {**DataOptions.LATE_DEFAULTS, **h.get("data", {})}
-  data = {**DataOptions.LATE_DEFAULTS, **data}
+  stored_data = dict(h.get("data", {}))
   differ = [k for k, v in sorted(stored_data.items()) if k != "max_length" and data.get(k) != v]
   if differ:
     theirs = ", ".join(f"data.{k}={stored_data[k]!r}" for k in differ)
