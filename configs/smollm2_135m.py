@@ -192,6 +192,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.num_random = 3  # random k-sets (seeds random_seed, random_seed + 1, ...)
   c.compare.random_seed = 1
   c.compare.manual = ""  # explicit sets, ';'-separated: "1,2,3;27,28,29" (a string: see below)
+  # Other k's (`--config.compare.ks=1,5,9`): k = 1 is "last" (h_L, as EAGLE-1/2 read); every other k gives
+  # the ablation strategy at that k (greedy where exhaustive would enumerate > 5 M subsets) and "even-kK" (the
+  # eagle3 rule at k). Spearman(objective, τ) stays over the sets of the baseline's k.
+  c.compare.ks = ()
   c.compare.seeds = 3  # training seeds 0..seeds-1 per set (init and data order)
   c.compare.datasets = ("mtbench", "humaneval", "gsm8k")  # held-out prompts (first turns)
   c.compare.num_prompts = 8  # per dataset

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -49,6 +50,7 @@ from layerwave.compare_table import markdown_table, mean_ci, summarize, temperat
 from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
+from layerwave.training import features as features_lib
 from layerwave.training import loop
 from layerwave.training import release as release_lib
 from layerwave.training import restore
@@ -61,7 +63,7 @@ __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "mark
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
-_GROWABLE = ("sets", "lams", "num_random", "manual", "seeds", "baseline", "keep_checkpoints", "report_only",
+_GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "seeds", "baseline", "keep_checkpoints", "report_only",
              "release")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
@@ -108,6 +110,7 @@ class CompareOptions:
   num_random: int = 0
   random_seed: int = 1
   manual: tuple[tuple[int, ...], ...] = ()
+  ks: tuple[int, ...] = ()
   seeds: int = 1
   analysis: str = ""
   datasets: tuple[str, ...] = evaluate_lib.DATASETS
@@ -128,6 +131,8 @@ class CompareOptions:
       raise ValueError(f"compare.lams holds {min(self.lams)}; λ must be >= 0.")
     if self.num_random < 0:
       raise ValueError(f"compare.num_random must be >= 0, got {self.num_random}.")
+    if any(k < 1 for k in self.ks):
+      raise ValueError(f"compare.ks holds {min(self.ks)}; every k (number of layers a draft reads) must be >= 1.")
     if self.seeds < 1:
       raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {self.seeds}.")
     if not self.datasets:
@@ -170,12 +175,12 @@ def layer_sets(record: report_lib.AnalysisRecord, compare: CompareOptions) -> li
   e_hat = selection_lib.normalize_informativeness(e, candidates)
   ablation = compare.ablation_strategy
 
-  def select(strategy, entropy=e, cka=c, lam_=lam, seed_=seed):
+  def select(strategy, entropy=e, cka=c, lam_=lam, seed_=seed, k_=k):
     compartments = None
     if strategy == "compartment":
       compartments = blocks or compartments_lib.selection_blocks(cka, candidates, k)
     return selection_lib.select_layers(
-        strategy, entropy, cka, k=k, lam=lam_, min_gap=min_gap, candidates=candidates, seed=seed_,
+        strategy, entropy, cka, k=k_, lam=lam_, min_gap=min_gap, candidates=candidates, seed=seed_,
         compartments=compartments, num_layers=num_layers, hidden_size=hidden).ids
 
   out: list[LayerSet] = []
@@ -218,6 +223,17 @@ def layer_sets(record: report_lib.AnalysisRecord, compare: CompareOptions) -> li
       raise ValueError(f"compare.manual set {','.join(map(str, ids))!r} is not a valid layer set for this target "
                        f"(L={num_layers}, ids 0..{num_layers}, distinct): {err}") from err
     add(f"manual-{i}", ids, "manual", "given ids")
+  for k_other in compare.ks:
+    if k_other == 1:
+      add("last", (num_layers,), "k", "k = 1: h_L, the final-norm hidden state (the one layer EAGLE-1/2 read)")
+      continue
+    strategy = ablation
+    if strategy == "exhaustive" and math.comb(len(candidates), k_other) > selection_lib.MAX_SUBSETS:
+      strategy = "greedy"  # C(29, 9) = 10 M subsets: past the enumeration limit
+    add(f"{strategy}-k{k_other}", select(strategy, k_=k_other), "k",
+        f"{strategy} at k = {k_other} (λ={lam:g})")
+    add(f"even-k{k_other}", select("eagle3", k_=k_other), "k",
+        f"k = {k_other} spread evenly over 2..L−3 (the eagle3 rule at k = {k_other})")
   if not out:
     raise ValueError("compare.sets, lams, num_random and manual name no layer set.")
   names = [s.name for s in out]
@@ -343,6 +359,25 @@ def _analysis_record(config, workdir: str) -> report_lib.AnalysisRecord:
   return record
 
 
+def check_store_layers(recipe: Recipe, sets: Sequence[LayerSet]) -> None:
+  """Refuses, before any cell trains, feature stores (`train.features`, `train.eval_features`) that lack a
+  layer some set reads, naming the sets and the missing layers."""
+  for field in ("features", "eval_features"):
+    path = getattr(recipe.train, field)
+    if not path:
+      continue
+    store = features_lib.open_store(path)
+    have = set(store.depths)
+    missing = {s.name: sorted(set(s.ids) - have) for s in sets if not set(s.ids) <= have}
+    if missing:
+      union = sorted(set().union(*(s.ids for s in sets)))
+      raise features_lib.StoreError(
+          f"train.{field}={path} stores layers {sorted(have)}, but these sets read others: "
+          + "; ".join(f"{name} lacks {ids}" for name, ids in missing.items())
+          + f". Extract a store of the union of every set's layers ({','.join(map(str, union))}) with "
+          "experiments/extract_features.py --config.features.depths=..., or drop those sets.")
+
+
 def _cell_dir(workdir: str, layer_set: LayerSet, seed: int) -> str:
   return os.path.join(workdir, "cells", layer_set.key, f"seed{seed}")
 
@@ -364,6 +399,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   logging.info("Layer sets (%d, %d distinct):\n%s", len(sets), len(unique),
                "\n".join(f"  {s.name:14s} {list(s.ids)}  objective {s.objective:+.3f}  ({s.description})"
                          for s in sets))
+  check_store_layers(recipe, unique.values())
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer, str(config.data.chat_format))
   settings = evaluate_lib.DecodeSettings.from_config(

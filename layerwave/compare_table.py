@@ -74,9 +74,12 @@ def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: 
     row["acceptance"] = np.mean(np.asarray(acc, np.float64), axis=0).tolist() if acc else []
     rows.append(row)
   primary = f"{temps[0]}/all"
+  # Over the distinct sets of the baseline's k: Σ Ê − λ Σ C sums k terms, so objectives of other k's do not
+  # compare with it.
   distinct = {}
   for row in rows:
-    distinct.setdefault(tuple(row["ids"]), row)
+    if len(row["ids"]) == len(baseline.ids):
+      distinct.setdefault(tuple(row["ids"]), row)
   xs = [r["objective"] for r in distinct.values()]
   correlations = {}
   for m in (primary, "sim_tau"):
@@ -84,9 +87,10 @@ def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: 
     ok = [(x, y) for x, y in zip(xs, ys) if np.isfinite(y)]
     if len(ok) >= 3:
       res = scipy_stats.spearmanr(*zip(*ok))
-      correlations[m] = {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok)}
+      correlations[m] = {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok),
+                         "k": len(baseline.ids)}
     else:
-      correlations[m] = {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok)}
+      correlations[m] = {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok), "k": len(baseline.ids)}
   return {"baseline": baseline.name, "primary": primary, "seeds": list(seeds), "metrics": names,
           "rows": rows, "spearman_objective": correlations,
           "cells_done": len(results)}

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "random")
-_MAX_SUBSETS = 5_000_000  # exhaustive enumeration limit (C(29, 3) = 3,654 for SmolLM2-135M)
+MAX_SUBSETS = 5_000_000  # exhaustive enumeration limit (C(29, 3) = 3,654 for SmolLM2-135M)
 
 
 def normalize_informativeness(entropy, candidates: Sequence[int]) -> np.ndarray:
@@ -78,8 +78,8 @@ def _max_feasible(candidates: Sequence[int], min_gap: int) -> int:
 def exhaustive_search(cands: np.ndarray, k: int, e_hat, cka, lam, min_gap) -> tuple[int, ...]:
   """The k-subset of `cands` with the largest `subset_objective` among those `min_gap` apart (all of them)."""
   total = math.comb(len(cands), k)
-  if total > _MAX_SUBSETS:
-    raise ValueError(f"exhaustive search over C({len(cands)}, {k}) = {total} subsets exceeds {_MAX_SUBSETS}; "
+  if total > MAX_SUBSETS:
+    raise ValueError(f"exhaustive search over C({len(cands)}, {k}) = {total} subsets exceeds {MAX_SUBSETS}; "
                      "use greedy or fewer candidates")
   subsets = cands[np.array(list(itertools.combinations(range(len(cands)), k)), dtype=np.int64).reshape(-1, k)]
   value = np.where(_gap_ok(subsets, min_gap), subset_objective(subsets, e_hat, cka, lam), -np.inf)

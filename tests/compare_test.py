@@ -96,7 +96,30 @@ def test_layer_sets_match_brute_force_references():
   assert sets["exhaustive"].key == "L" + "-".join(map(str, best))
 
 
+def test_other_ks_give_the_last_layer_the_objective_and_even_spacing():
+  record = _record()
+  e, c = record.filtered.prompt_entropy, record.filtered.cka_minibatch
+  sets = {s.name: s for s in compare.layer_sets(record, _compare(sets="eagle3", lams="", num_random=0, manual="",
+                                                                 ks="1,5"))}
+  assert sets["last"].ids == (L,) and sets["last"].kind == "k"
+  assert sets["even-k5"].ids == layer_ids.eagle3_layer_ids(L, 5) == (2, 4, 6, 7, 9)
+  _, e_hat = _brute(e, c, 1.0)
+  best = max(itertools.combinations(range(1, L), 5),
+             key=lambda s: e_hat[list(s)].sum() - sum(c[a, b] for a, b in itertools.combinations(s, 2)))
+  assert sets["exhaustive-k5"].ids == best
+  assert sets["exhaustive-k5"].objective >= sets["even-k5"].objective
+  # Spearman stays over the baseline's k: the k = 1 and k = 5 sets are left out of it.
+  cfg = _compare(sets="eagle3,exhaustive,entropy", lams="", num_random=0, manual="", ks="1,5")
+  all_sets = compare.layer_sets(record, cfg)
+  results = {(s.key, 0): _result(1.0 + 0.1 * i, 1.0, 1.0) for i, s in enumerate({s.key: s for s in all_sets}.values())}
+  summary = compare.summarize(all_sets, results, [0], cfg, {"mtbench": None})
+  k3 = {tuple(s.ids) for s in all_sets if len(s.ids) == 3}
+  assert summary["spearman_objective"]["T0/all"]["num_sets"] == len(k3)
+  assert summary["spearman_objective"]["T0/all"]["k"] == 3
+
+
 @pytest.mark.parametrize("overrides, message", [
+    ({"ks": "0"}, "compare.ks holds 0"),
     ({"sets": "eagle3,bogus"}, "neither a strategy"),
     ({"manual": "1,2,99"}, "not a valid layer set"),
     ({"manual": "1,1,2"}, "not a valid layer set"),

@@ -118,3 +118,17 @@ def test_sweep_launcher_trains_cells_and_the_sharegpt_cell_from_another_store(st
   assert result["cells"]["sharegpt"]["train.eval_features"] == train_store  # judged on the base store's text
   assert result["cells"]["sharegpt"]["data.max_records"] == OTHER.max_records
   assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_compare_refuses_a_store_that_lacks_a_sets_layer_before_training(stores, tiny_chat_target_dir):
+  from layerwave import compare
+  from layerwave.training.options import Recipe
+  _, path, other = stores
+  recipe = Recipe.from_config(tiny_config(tiny_chat_target_dir))
+  recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, features=path, eval_features=other))
+  covered = compare.LayerSet("eagle3", tuple(LAYERS), "baseline", 0.0, "")
+  compare.check_store_layers(recipe, [covered])  # every layer stored: no error
+  outside = sorted(set(range(1, 8)) - set(LAYERS))[:2]
+  lacking = compare.LayerSet("even-k4", tuple(sorted({*LAYERS[:2], *outside})), "k", 0.0, "")
+  with pytest.raises(features.StoreError, match=rf"train\.features=.*even-k4 lacks \[{outside[0]}, {outside[1]}\]"):
+    compare.check_store_layers(recipe, [covered, lacking])
