@@ -98,7 +98,7 @@ release-draft: setup
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-all: setup
 	$(PY) -m pytest -q -m '' tests
