@@ -196,6 +196,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the ablation strategy at that k (greedy where exhaustive would enumerate > 5 M subsets) and "even-kK" (the
   # eagle3 rule at k). Spearman(objective, τ) stays over the sets of the baseline's k.
   c.compare.ks = ()
+  # Dynamics (`--config.compare.budgets=0.25,4 --config.compare.budget_sets=eagle3,exhaustive`): those sets
+  # (default all; the baseline must be among them) trained again at these multiples of train.num_steps (warm-up
+  # and schedule scaled alike); results.md adds held-out sim τ and its paired Δ per budget.
+  c.compare.budgets = ()
+  c.compare.budget_sets = ()
   c.compare.seeds = 3  # training seeds 0..seeds-1 per set (init and data order)
   c.compare.datasets = ("mtbench", "humaneval", "gsm8k")  # held-out prompts (first turns)
   c.compare.num_prompts = 8  # per dataset

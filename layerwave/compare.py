@@ -63,7 +63,7 @@ __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "mark
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
-_GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "seeds", "baseline", "keep_checkpoints", "report_only",
+_GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline", "keep_checkpoints", "report_only",
              "release")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
@@ -111,6 +111,8 @@ class CompareOptions:
   random_seed: int = 1
   manual: tuple[tuple[int, ...], ...] = ()
   ks: tuple[int, ...] = ()
+  budgets: tuple[float, ...] = ()
+  budget_sets: tuple[str, ...] = ()
   seeds: int = 1
   analysis: str = ""
   datasets: tuple[str, ...] = evaluate_lib.DATASETS
@@ -133,6 +135,8 @@ class CompareOptions:
       raise ValueError(f"compare.num_random must be >= 0, got {self.num_random}.")
     if any(k < 1 for k in self.ks):
       raise ValueError(f"compare.ks holds {min(self.ks)}; every k (number of layers a draft reads) must be >= 1.")
+    if any(not b > 0 for b in self.budgets):
+      raise ValueError(f"compare.budgets holds {min(self.budgets)}; budgets are multiples (> 0) of train.num_steps.")
     if self.seeds < 1:
       raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {self.seeds}.")
     if not self.datasets:
@@ -304,9 +308,38 @@ def check_workdir(workdir: str, config) -> None:
   atomic.write_json(path, {"fingerprint": value, "settings": d})
 
 
-def cell_recipe(recipe: Recipe, seed: int) -> Recipe:
-  """One cell's training recipe: the shared budget with this seed, run to its end (no `stop_after`)."""
-  return dataclasses.replace(recipe, seed=int(seed), train=dataclasses.replace(recipe.train, stop_after=0))
+def cell_recipe(recipe: Recipe, seed: int, budget: float = 1.0) -> Recipe:
+  """One cell's training recipe: the shared budget with this seed, run to its end (no `stop_after`).
+
+  `budget` ≠ 1 (the dynamics, `compare.budgets`) scales the steps, and with them the warm-up and an explicit
+  schedule length, so the learning-rate schedule keeps its shape; batch, data and order stay.
+  """
+  t = recipe.train
+  if budget != 1.0:
+    scale = lambda n: max(1, int(round(n * budget))) if n else 0  # noqa: E731
+    t = dataclasses.replace(t, num_steps=scale(t.num_steps), schedule_steps=scale(t.schedule_steps),
+                            warmup_steps=int(round(t.warmup_steps * budget)))
+  return dataclasses.replace(recipe, seed=int(seed), train=dataclasses.replace(t, stop_after=0))
+
+
+def dynamics_sets(sets: Sequence[LayerSet], cmp: CompareOptions) -> list[LayerSet]:
+  """The sets trained again at `compare.budgets` (`compare.budget_sets`, default every set); the baseline must
+  be among them, since their Δ is paired against it at each budget."""
+  if not cmp.budgets:
+    return []
+  by_name = {s.name: s for s in sets}
+  names = cmp.budget_sets or tuple(by_name)
+  unknown = [n for n in names if n not in by_name]
+  if unknown:
+    raise ValueError(f"compare.budget_sets names {unknown}, which are not among the sets {list(by_name)}.")
+  if cmp.baseline not in names:
+    raise ValueError(f"compare.budget_sets must include the baseline {cmp.baseline!r}: each budget's Δ is paired "
+                     "against it.")
+  return [by_name[n] for n in names]
+
+
+def budget_key(budget: float) -> str:
+  return f"x{budget:g}"
 
 
 # -- evaluation --------------------------------------------------------------------------------------
@@ -378,8 +411,10 @@ def check_store_layers(recipe: Recipe, sets: Sequence[LayerSet]) -> None:
           "experiments/extract_features.py --config.features.depths=..., or drop those sets.")
 
 
-def _cell_dir(workdir: str, layer_set: LayerSet, seed: int) -> str:
-  return os.path.join(workdir, "cells", layer_set.key, f"seed{seed}")
+def _cell_dir(workdir: str, layer_set: LayerSet, seed: int, budget: float = 1.0) -> str:
+  if budget == 1.0:
+    return os.path.join(workdir, "cells", layer_set.key, f"seed{seed}")
+  return os.path.join(workdir, "cells", layer_set.key, budget_key(budget), f"seed{seed}")
 
 
 def run(config, workdir: str) -> dict[str, Any]:
@@ -399,6 +434,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   logging.info("Layer sets (%d, %d distinct):\n%s", len(sets), len(unique),
                "\n".join(f"  {s.name:14s} {list(s.ids)}  objective {s.objective:+.3f}  ({s.description})"
                          for s in sets))
+  dynamics = dynamics_sets(sets, cmp)
   check_store_layers(recipe, unique.values())
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer, str(config.data.chat_format))
@@ -407,11 +443,15 @@ def run(config, workdir: str) -> dict[str, Any]:
       prompt_width=max(len(p) for ps in prompts.values() for p in ps))
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
-  cells = [(s, seed) for seed in seeds for s in unique.values()]
-  results: dict[tuple[str, int], dict] = {}
+  # Then the dynamics: the budget sets again at each of compare.budgets.
+  cells = [(s, seed, 1.0) for seed in seeds for s in unique.values()]
+  dynamic_unique = {s.key: s for s in dynamics}
+  cells += [(s, seed, b) for b in cmp.budgets if b != 1.0 for seed in seeds for s in dynamic_unique.values()]
+  by_budget: dict[float, dict[tuple[str, int], dict]] = {1.0: {}}
   started, done_here = time.perf_counter(), 0
-  for i, (s, seed) in enumerate(cells):
-    cell_dir = _cell_dir(workdir, s, seed)
+  for i, (s, seed, budget) in enumerate(cells):
+    results = by_budget.setdefault(budget, {})
+    cell_dir = _cell_dir(workdir, s, seed, budget)
     path = os.path.join(cell_dir, "result.json")
     if os.path.exists(path):
       with open(path) as f:
@@ -421,18 +461,18 @@ def run(config, workdir: str) -> dict[str, Any]:
       continue
     remaining = len(cells) - i
     eta = ((time.perf_counter() - started) / done_here * remaining) if done_here else float("nan")
-    logging.info("Cell %d/%d: %s %s seed %d — training (ETA of the comparison %.0f min)", i + 1, len(cells),
-                 s.name, list(s.ids), seed, eta / 60)
+    logging.info("Cell %d/%d: %s %s seed %d budget %s — training (ETA of the comparison %.0f min)", i + 1,
+                 len(cells), s.name, list(s.ids), seed, budget_key(budget), eta / 60)
     tic = time.perf_counter()
     layers = layer_ids.LayerSelection(ids=s.ids, num_layers=record.num_layers,
                                       hidden_size=record.hidden_size, strategy=s.name)
-    train = loop.train(target, layers, cell_recipe(recipe, seed), cell_dir)
+    train = loop.train(target, layers, cell_recipe(recipe, seed, budget), cell_dir)
     train_seconds = time.perf_counter() - tic
     logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
                  ", ".join(prompts))
     draft = restore.load_draft(cell_dir, target)
     evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
-    result = {"ids": list(s.ids), "seed": seed, "train": train, "train_seconds": train_seconds,
+    result = {"ids": list(s.ids), "seed": seed, "budget": budget, "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
     atomic.write_json(path, result)
     if not cmp.keep_checkpoints:
@@ -443,7 +483,9 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
-  summary = summarize(sets, results, seeds, cmp, prompts)
+  summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts)
+  if dynamics:
+    summary["dynamics"] = dynamics_summary(dynamics, by_budget, seeds, cmp, prompts, recipe)
   if cmp.release:
     summary["release"] = release_row(target, cmp.release, prompts, settings, cmp, workdir)
   summary["analysis"] = record.path
@@ -459,6 +501,19 @@ def run(config, workdir: str) -> dict[str, Any]:
   print(table)
   print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}")
   return summary
+
+
+def dynamics_summary(sets: Sequence[LayerSet], by_budget: dict[float, dict], seeds: Sequence[int],
+                     cmp: CompareOptions, prompts, recipe: Recipe) -> dict[str, Any]:
+  """Per budget (1 and each of `compare.budgets`, ascending): every dynamics set's held-out sim τ and its Δ
+  against the baseline paired by seed — does the ranking hold, grow or vanish as the drafts improve?"""
+  out = {}
+  for b in sorted({1.0, *cmp.budgets}):
+    rows = summarize(sets, by_budget.get(b, {}), seeds, cmp, prompts)["rows"]
+    out[budget_key(b)] = {"budget": b, "num_steps": cell_recipe(recipe, 0, b).train.num_steps,
+                          "rows": [{"name": r["name"], "ids": r["ids"], "sim_tau": r["metrics"]["sim_tau"],
+                                    "vs_baseline": r["vs_baseline"]["sim_tau"]} for r in rows]}
+  return out
 
 
 def release_row(target, name: str, prompts, settings: evaluate_lib.DecodeSettings, cmp: CompareOptions,

@@ -161,7 +161,26 @@ def markdown_table(summary: dict[str, Any]) -> str:
     else:
       notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
                    f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
-  return "\n".join(release + lines + notes)
+  return "\n".join(release + lines + notes + _dynamics_lines(summary.get("dynamics"), summary["baseline"]))
+
+
+def _dynamics_lines(dynamics: dict | None, baseline: str) -> list[str]:
+  """The dynamics table: held-out sim τ and its paired Δ against the baseline per set, one column pair per
+  budget."""
+  if not dynamics:
+    return []
+  budgets = list(dynamics.values())
+  head = ["set", "layers"] + [f"{h} ×{b['budget']:g} ({b['num_steps']} steps)" for b in budgets
+                              for h in ("sim τ", "Δ")]
+  lines = ["", "Dynamics: held-out sim τ as the budget grows (Δ paired by seed against "
+           f"`{baseline}`).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for i, row in enumerate(budgets[0]["rows"]):
+    cells = [row["name"], ",".join(map(str, row["ids"]))]
+    for b in budgets:
+      r = b["rows"][i]
+      cells += [_fmt(r["sim_tau"]), "(baseline)" if r["name"] == baseline else _fmt(r["vs_baseline"], True)]
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
 
 
 def _release_lines(row: dict | None, primary: str, timed: bool) -> list[str]:

@@ -118,8 +118,30 @@ def test_other_ks_give_the_last_layer_the_objective_and_even_spacing():
   assert summary["spearman_objective"]["T0/all"]["k"] == 3
 
 
+def test_budgets_scale_the_schedule_and_name_their_sets():
+  from layerwave.training.options import Recipe
+  recipe = Recipe.from_config(_config())
+  t = dataclasses.replace(recipe.train, num_steps=400, warmup_steps=40, schedule_steps=0, stop_after=7)
+  recipe = dataclasses.replace(recipe, train=t)
+  quarter = compare.cell_recipe(recipe, 2, 0.25)
+  assert (quarter.seed, quarter.train.num_steps, quarter.train.warmup_steps, quarter.train.schedule_steps,
+          quarter.train.stop_after) == (2, 100, 10, 0, 0)
+  assert quarter.train.batch_size == t.batch_size and quarter.data == recipe.data
+  assert compare.cell_recipe(recipe, 0).train == dataclasses.replace(t, stop_after=0)
+  assert compare.cell_recipe(recipe, 0, 4.0).train.num_steps == 1600
+  sets = compare.layer_sets(_record(), _compare(sets="eagle3,exhaustive,entropy", lams="", num_random=0, manual=""))
+  assert compare.dynamics_sets(sets, _compare()) == []
+  chosen = compare.dynamics_sets(sets, _compare(budgets="0.25,4", budget_sets="exhaustive,eagle3"))
+  assert [s.name for s in chosen] == ["exhaustive", "eagle3"]
+  with pytest.raises(ValueError, match="must include the baseline 'eagle3'"):
+    compare.dynamics_sets(sets, _compare(budgets="4", budget_sets="exhaustive"))
+  with pytest.raises(ValueError, match=r"budget_sets names \['bogus'\]"):
+    compare.dynamics_sets(sets, _compare(budgets="4", budget_sets="eagle3,bogus"))
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"ks": "0"}, "compare.ks holds 0"),
+    ({"budgets": "0.5,0"}, "compare.budgets holds 0"),
     ({"sets": "eagle3,bogus"}, "neither a strategy"),
     ({"manual": "1,2,99"}, "not a valid layer set"),
     ({"manual": "1,1,2"}, "not a valid layer set"),
@@ -367,6 +389,21 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   assert released["timing_pairs"] == 3 and summary["release"]["layer_ids"] == [2, 4, 5]
   with open(os.path.join(workdir, "results.md")) as f:
     assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16): τ T0/all" in f.read()
+  # The dynamics: eagle3 again at half the steps; only that cell trains.
+  half = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)), "--config.compare.budgets=0.5",
+                                "--config.compare.budget_sets=eagle3"], check=True, cwd=ROOT, timeout=600,
+                        capture_output=True, text=True)
+  assert "Cell 4/4: eagle3 [2, 4, 5] seed 0 budget x0.5" in half.stderr and "Cell 3/4" not in half.stderr
+  with open(os.path.join(workdir, "cells", "L2-4-5", "x0.5", "seed0", "result.json")) as f:
+    halved = json.load(f)
+  full_steps = cell["train"]["step"]
+  assert halved["budget"] == 0.5 and halved["train"]["step"] == max(1, round(full_steps / 2)) < full_steps
+  with open(os.path.join(workdir, "results.json")) as f:
+    dynamics = json.load(f)["dynamics"]
+  assert list(dynamics) == ["x0.5", "x1"] and [r["name"] for r in dynamics["x1"]["rows"]] == ["eagle3"]
+  assert dynamics["x0.5"]["rows"][0]["sim_tau"]["values"] == [halved["train"]["heldout_sim_tau"]]
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert "Dynamics: held-out sim τ as the budget grows" in f.read()
   missing = subprocess.run(base + ["--config.compare.release=no-such-draft", "--config.compare.report_only=True"],
                            check=True, cwd=ROOT, timeout=600, capture_output=True, text=True, env=env)
   assert "no such release" in missing.stderr and "releases: tiny-eagle3" in missing.stderr
