@@ -46,7 +46,7 @@ from layerwave.analysis import analyze
 from layerwave.analysis import collect as collect_lib
 from layerwave.analysis import compartments as compartments_lib
 from layerwave.analysis import report as report_lib
-from layerwave.compare_table import markdown_table, mean_ci, summarize, temperature_key
+from layerwave.compare_table import finalist_summary, markdown_table, mean_ci, summarize, temperature_key
 from layerwave.data.options import DataOptions
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
@@ -58,13 +58,13 @@ from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
-           "SET_ITEMS"]
+           "SET_ITEMS", "choose_finalists", "run_finalists", "set_predictors"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
-_GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline", "keep_checkpoints", "report_only",
-             "release")
+_GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
+             "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -124,6 +124,9 @@ class CompareOptions:
   keep_checkpoints: bool = True
   report_only: bool = False
   release: str = ""
+  finalists: int = 0
+  finalist_prompts: int = 80
+  finalist_seeds: int = 1
 
   def __post_init__(self):
     if self.ablation_strategy not in ("greedy", "exhaustive"):
@@ -147,6 +150,13 @@ class CompareOptions:
                          f"{', '.join(evaluate_lib.DATASETS)}.")
     if not self.temperatures or any(t < 0 for t in self.temperatures):
       raise ValueError(f"compare.temperatures must list temperatures >= 0, got {self.temperatures!r}.")
+    if self.finalists < 0 or self.finalist_prompts < 1 or not 1 <= self.finalist_seeds <= self.seeds:
+      raise ValueError(f"compare.finalists must be >= 0, compare.finalist_prompts >= 1 and "
+                       f"compare.finalist_seeds in [1, compare.seeds={self.seeds}]; got {self.finalists}, "
+                       f"{self.finalist_prompts} and {self.finalist_seeds}.")
+    if self.finalists and not self.keep_checkpoints:
+      raise ValueError("compare.finalists decodes the finalists' drafts after every cell has finished, so it "
+                       "needs their checkpoints: set compare.keep_checkpoints=True (or compare.finalists=0).")
     if self.max_new_tokens < 1 or self.num_prompts < 0:
       raise ValueError(f"compare.max_new_tokens must be >= 1 and compare.num_prompts >= 0, got "
                        f"{self.max_new_tokens} and {self.num_prompts}.")
@@ -247,6 +257,22 @@ def layer_sets(record: report_lib.AnalysisRecord, compare: CompareOptions) -> li
   if baseline not in names:
     raise ValueError(f"compare.baseline={baseline!r} is not among the sets {names}; add it to compare.sets.")
   return out
+
+
+def set_predictors(record: report_lib.AnalysisRecord, ids: Sequence[int]) -> dict[str, float]:
+  """What a reader might try instead of the objective to predict a set's τ, from the analysis and the ids alone:
+  the objective's two terms, depth, distance to the last layer, the deepest layer's filtered entropy, spread."""
+  e, c = record.arrays("filtered")
+  e_hat = selection_lib.normalize_informativeness(e, record.candidates)
+  ids = [int(i) for i in ids]
+  deepest = max(ids)
+  return {"informativeness Σ Ê": float(e_hat[ids].sum()),
+          "redundancy Σ C": float(sum(c[a, b] for i, a in enumerate(ids) for b in ids[i + 1:])),
+          "deepest layer": float(deepest),
+          "mean depth": float(np.mean(ids)),
+          "distance to the last layer": float(record.num_layers - deepest),
+          "filtered entropy of the deepest layer": float(e[deepest]),
+          "spread (deepest − shallowest)": float(deepest - min(ids))}
 
 
 # -- config, fingerprint and resumption --------------------------------------------------------------
@@ -483,7 +509,11 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
-  summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts)
+  summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts,
+                      predictors={s.name: set_predictors(record, s.ids) for s in sets})
+  if cmp.finalists:
+    summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings,
+                                         str(config.data.chat_format), workdir)
   if dynamics:
     summary["dynamics"] = dynamics_summary(dynamics, by_budget, seeds, cmp, prompts, recipe)
   if cmp.release:
@@ -498,8 +528,10 @@ def run(config, workdir: str) -> dict[str, Any]:
   atomic.write_json(os.path.join(workdir, "results.json"), summary)
   atomic.write_text(os.path.join(workdir, "results.md"), table + "\n")
   plot_path = plots.plot_comparison(os.path.join(workdir, "plots", "compare.png"), summary)
+  sim_path = plots.plot_sim_tau(os.path.join(workdir, "plots", "sim_tau.png"), summary)
   print(table)
-  print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}")
+  print(f"\nwrote {os.path.join(workdir, 'results.md')}, {os.path.join(workdir, 'results.json')}, {plot_path}, "
+        f"{sim_path}")
   return summary
 
 
@@ -513,6 +545,68 @@ def dynamics_summary(sets: Sequence[LayerSet], by_budget: dict[float, dict], see
     out[budget_key(b)] = {"budget": b, "num_steps": cell_recipe(recipe, 0, b).train.num_steps,
                           "rows": [{"name": r["name"], "ids": r["ids"], "sim_tau": r["metrics"]["sim_tau"],
                                     "vs_baseline": r["vs_baseline"]["sim_tau"]} for r in rows]}
+  return out
+
+
+def choose_finalists(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: CompareOptions) -> list[LayerSet]:
+  """The `compare.finalists` distinct sets of highest mean held-out sim τ (the baseline's layers excluded), then
+  the baseline: what the speculative Δτ is paired against."""
+  means = {r["name"]: r["metrics"]["sim_tau"]["mean"] for r in summary["rows"]}
+  baseline = next(s for s in sets if s.name == cmp.baseline)
+  ranked = sorted((s for s in sets if np.isfinite(means.get(s.name, np.nan))), key=lambda s: -means[s.name])
+  chosen: dict[str, LayerSet] = {}
+  for s in ranked:
+    if len(chosen) < cmp.finalists and s.key != baseline.key:
+      chosen.setdefault(s.key, s)
+  return [*chosen.values(), baseline]
+
+
+def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], summary: dict[str, Any],
+                  cmp: CompareOptions, settings: evaluate_lib.DecodeSettings, chat_format: str,
+                  workdir: str) -> dict[str, Any]:
+  """Speculative τ of the finalists (`choose_finalists`) on `compare.finalist_prompts` prompts per dataset at
+  every temperature, each draft decoding the same prompts, with Δτ against the baseline from a paired bootstrap
+  over prompts (`compare_table.finalist_summary`).
+
+  Runs once every cell at budget 1× has finished (the ranking needs them all); before that the summary says how
+  many cells remain. Each (set, seed) evaluation is kept in `W/finalists/<set key>/seed<s>.json`, so a rerun
+  decodes only what is new; `report_only` decodes nothing.
+  """
+  need = len({s.key for s in sets}) * cmp.seeds
+  if len(results) < need:
+    return {"pending": need - len(results)}
+  chosen = choose_finalists(sets, summary, cmp)
+  seeds = list(range(cmp.finalist_seeds))
+  prompts = eval_prompts(dataclasses.replace(cmp, num_prompts=cmp.finalist_prompts), target.tokenizer,
+                         chat_format)
+  at = dataclasses.replace(settings, prompt_width=max(len(p) for ps in prompts.values() for p in ps))
+  evals: dict[tuple[str, int], dict] = {}
+  for s in chosen:
+    for seed in seeds:
+      path = os.path.join(workdir, "finalists", s.key, f"seed{seed}.json")
+      if os.path.exists(path):
+        with open(path) as f:
+          evals[(s.key, seed)] = json.load(f)
+        continue
+      if cmp.report_only:
+        continue
+      cell_dir = _cell_dir(workdir, s, seed)
+      if not os.path.isdir(os.path.join(cell_dir, "checkpoints")):
+        raise FileNotFoundError(
+            f"Finalist {s.name} {list(s.ids)} seed {seed} has no checkpoint in {cell_dir} (its cell ran with "
+            "compare.keep_checkpoints=False): retrain that cell (delete its result.json) or set "
+            "compare.finalists=0.")
+      logging.info("Finalist %s %s seed %d: speculative decoding of %d prompts", s.name, list(s.ids), seed,
+                   sum(len(p) for p in prompts.values()))
+      tic = time.perf_counter()
+      draft = restore.load_draft(cell_dir, target)
+      row = {"ids": list(s.ids), "seed": seed,
+             "eval": evaluate_draft(target, draft, prompts, at, cmp.temperatures, seed, speedup=False),
+             "eval_seconds": time.perf_counter() - tic}
+      atomic.write_json(path, row)
+      evals[(s.key, seed)] = row
+  out = finalist_summary(chosen, evals, seeds, cmp, list(prompts))
+  out["prompts_per_dataset"] = {name: len(ps) for name, ps in prompts.items()}
   return out
 
 

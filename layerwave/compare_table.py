@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 from scipy import stats as scipy_stats
 
-__all__ = ["markdown_table", "mean_ci", "summarize", "temperature_key"]
+__all__ = ["finalist_summary", "markdown_table", "mean_ci", "paired_bootstrap", "summarize", "temperature_key"]
 
 
 def temperature_key(t: float) -> str:
@@ -31,6 +31,71 @@ def mean_ci(values: Sequence[float]) -> dict[str, Any]:
   return {"mean": float(x.mean()), "ci95": half, "n": int(n), "values": x.tolist()}
 
 
+def paired_bootstrap(stats: Sequence[Sequence[int]], base: Sequence[Sequence[int]], num: int = 4000,
+                     seed: int = 0) -> dict[str, Any]:
+  """Δτ = τ(stats) − τ(base) over the same prompts, with its 95 % percentile interval from resampling prompts.
+
+  Args:
+    stats, base: per prompt [emitted tokens, verifications] (`decode.prompt_stats`), prompt i of each the same
+      prompt; τ of a set of prompts is Σ emitted / Σ verifications, as the pooled τ.
+    num: bootstrap resamples; seed: their PRNG seed (fixed, so a table is reproducible).
+
+  Returns:
+    {delta, lo, hi, p_le_0 (share of resamples with Δτ ≤ 0: a one-sided bootstrap p-value), prompts}.
+  """
+  a, b = np.asarray(stats, np.float64), np.asarray(base, np.float64)
+  if a.shape != b.shape or a.ndim != 2 or a.shape[1] != 2 or not len(a):
+    raise ValueError(f"paired_bootstrap needs the same prompts for both: [P, 2] arrays, got {a.shape} and "
+                     f"{b.shape}.")
+  idx = np.random.default_rng(seed).integers(0, len(a), (int(num), len(a)))
+  tau = lambda x, i: x[i, 0].sum(-1) / np.maximum(x[i, 1].sum(-1), 1)  # noqa: E731
+  boot = tau(a, idx) - tau(b, idx)
+  delta = a[:, 0].sum() / a[:, 1].sum() - b[:, 0].sum() / b[:, 1].sum()
+  lo, hi = np.percentile(boot, [2.5, 97.5])
+  return {"delta": float(delta), "lo": float(lo), "hi": float(hi), "p_le_0": float((boot <= 0).mean()),
+          "prompts": int(len(a))}
+
+
+def finalist_summary(sets: Sequence[Any], evals: dict[tuple[str, int], dict], seeds: Sequence[int], compare: Any,
+                     datasets: Sequence[str]) -> dict[str, Any]:
+  """The finalists' speculative τ per temperature (pooled over datasets, and per dataset) and Δτ against the
+  baseline (the last of `sets`) by a paired bootstrap over prompts; with several seeds each prompt's counts are
+  summed over the seeds first, so a resample draws prompts, not runs.
+
+  Args:
+    sets: the finalists, the baseline last (`compare.choose_finalists`).
+    evals: (set key, seed) → {"eval": `compare.evaluate_draft`'s rows}, for the evaluations done.
+    seeds, compare: the finalists' seeds; the `compare.CompareOptions` (temperatures).
+    datasets: the prompt sets, in column order.
+  """
+  baseline = sets[-1]
+  temps = [temperature_key(t) for t in compare.temperatures]
+
+  def counts(s, key):
+    per_seed = [evals[(s.key, seed)]["eval"].get(key, {}).get("prompt_stats") for seed in seeds
+                if (s.key, seed) in evals]
+    if not per_seed or any(p is None for p in per_seed):
+      return None
+    return np.sum(np.asarray(per_seed, np.int64), axis=0)
+
+  rows = []
+  for s in sets:
+    row = {"name": s.name, "ids": list(s.ids), "objective": s.objective,
+           "seeds": sum((s.key, seed) in evals for seed in seeds), "tau": {}, "vs_baseline": {}}
+    for t in temps:
+      for d in [*datasets, "all"]:
+        key = f"{t}/{d}"
+        mine, base = counts(s, key), counts(baseline, key)
+        if mine is None:
+          continue
+        row["tau"][key] = float(mine[:, 0].sum() / mine[:, 1].sum())
+        if base is not None and s is not baseline:
+          row["vs_baseline"][key] = paired_bootstrap(mine, base)
+    rows.append(row)
+  return {"baseline": baseline.name, "seeds": list(seeds), "temperatures": temps, "datasets": list(datasets),
+          "rows": rows}
+
+
 def _metric(result: dict, name: str) -> float | None:
   if name == "sim_tau":
     return result["train"].get("heldout_sim_tau")
@@ -40,8 +105,17 @@ def _metric(result: dict, name: str) -> float | None:
   return result["eval"].get(name, {}).get("tau")
 
 
+def _spearman(pairs: Sequence[tuple[float, float]], k: int) -> dict[str, Any]:
+  """Spearman ρ and its p-value over (x, y) pairs with finite y; NaN with fewer than 3 or a constant side."""
+  ok = [(x, y) for x, y in pairs if np.isfinite(y) and np.isfinite(x)]
+  if len(ok) >= 3 and len({x for x, _ in ok}) > 1 and len({y for _, y in ok}) > 1:  # else ρ is undefined
+    res = scipy_stats.spearmanr(*zip(*ok))
+    return {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok), "k": k}
+  return {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok), "k": k}
+
+
 def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: Sequence[int], compare: Any,
-              prompts: dict[str, Any]) -> dict[str, Any]:
+              prompts: dict[str, Any], predictors: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
   """Mean ± 95 % CI per set, paired differences against the baseline, Spearman(objective, τ) over sets.
 
   Args:
@@ -50,6 +124,8 @@ def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: 
     seeds: the seeds of the comparison.
     compare: its `compare.CompareOptions` (temperatures, speedup, baseline).
     prompts: dataset name → prompts (the names order the columns).
+    predictors: set name → {candidate predictor → value} (`compare.set_predictors`): each gets the objective's
+      Spearman statistics against τ, in `spearman_predictors`.
   """
   temps = [temperature_key(t) for t in compare.temperatures]
   names = [f"{t}/{d}" for t in temps for d in [*prompts, "all"]] + ["sim_tau"]
@@ -80,19 +156,18 @@ def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: 
   for row in rows:
     if len(row["ids"]) == len(baseline.ids):
       distinct.setdefault(tuple(row["ids"]), row)
-  xs = [r["objective"] for r in distinct.values()]
-  correlations = {}
-  for m in (primary, "sim_tau"):
-    ys = [r["metrics"][m]["mean"] for r in distinct.values()]
-    ok = [(x, y) for x, y in zip(xs, ys) if np.isfinite(y)]
-    if len(ok) >= 3:
-      res = scipy_stats.spearmanr(*zip(*ok))
-      correlations[m] = {"rho": float(res.statistic), "p": float(res.pvalue), "num_sets": len(ok),
-                         "k": len(baseline.ids)}
-    else:
-      correlations[m] = {"rho": float("nan"), "p": float("nan"), "num_sets": len(ok), "k": len(baseline.ids)}
+  k = len(baseline.ids)
+  ys = {m: [r["metrics"][m]["mean"] for r in distinct.values()] for m in (primary, "sim_tau")}
+  correlations = {m: _spearman(list(zip([r["objective"] for r in distinct.values()], y)), k)
+                  for m, y in ys.items()}
+  by_predictor = {}
+  for name in sorted({p for values in (predictors or {}).values() for p in values}):
+    xs = [predictors.get(r["name"], {}).get(name, float("nan")) for r in distinct.values()]
+    by_predictor[name] = {m: _spearman(list(zip(xs, y)), k) for m, y in ys.items()}
+  for row in rows:
+    row["predictors"] = dict((predictors or {}).get(row["name"], {}))
   return {"baseline": baseline.name, "primary": primary, "seeds": list(seeds), "metrics": names,
-          "rows": rows, "spearman_objective": correlations,
+          "rows": rows, "spearman_objective": correlations, "spearman_predictors": by_predictor,
           "cells_done": len(results)}
 
 
@@ -161,7 +236,60 @@ def markdown_table(summary: dict[str, Any]) -> str:
     else:
       notes.append(f"Spearman(selection objective, {m}) over {c['num_sets']} distinct sets: "
                    f"ρ = {c['rho']:+.2f} (p = {c['p']:.2g}).")
-  return "\n".join(release + lines + notes + _dynamics_lines(summary.get("dynamics"), summary["baseline"]))
+  return "\n".join(release + lines + notes + _predictor_lines(summary)
+                   + _finalist_lines(summary.get("finalists"))
+                   + _dynamics_lines(summary.get("dynamics"), summary["baseline"]))
+
+
+def _predictor_lines(summary: dict[str, Any]) -> list[str]:
+  """What predicts τ: Spearman ρ (p) of the objective and of each candidate predictor against held-out sim τ and
+  the primary τ, over the distinct sets of the baseline's k; the strongest candidate against sim τ named."""
+  preds = summary.get("spearman_predictors") or {}
+  if not preds:
+    return []
+  primary = summary["primary"]
+  fmt = lambda c: "–" if not np.isfinite(c["rho"]) else f"{c['rho']:+.2f} (p = {c['p']:.2g})"  # noqa: E731
+  rows = [("selection objective Σ Ê − λ Σ C", summary["spearman_objective"])] + list(preds.items())
+  n = summary["spearman_objective"]["sim_tau"]["num_sets"]
+  lines = ["", f"What predicts τ: Spearman ρ over the {n} distinct sets of k = "
+           f"{summary['spearman_objective']['sim_tau']['k']} (p: two-sided, no correction for the "
+           f"{len(rows)} predictors tried).", "", f"| predictor | ρ vs held-out sim τ | ρ vs τ {primary} |",
+           "|---|---|---|"]
+  lines += [f"| {name} | {fmt(c['sim_tau'])} | {fmt(c[primary])} |" for name, c in rows]
+  finite = [(abs(c["sim_tau"]["rho"]), name) for name, c in preds.items() if np.isfinite(c["sim_tau"]["rho"])]
+  if finite:
+    best = max(finite)[1]
+    lines.append(f"\nStrongest candidate against sim τ: {best}, ρ = {preds[best]['sim_tau']['rho']:+.2f} "
+                 f"(p = {preds[best]['sim_tau']['p']:.2g}).")
+  return lines
+
+
+def _finalist_lines(finalists: dict | None) -> list[str]:
+  """The finalists' table: speculative τ on the larger prompt sets, Δτ with its paired-bootstrap 95 % interval."""
+  if not finalists:
+    return []
+  if "pending" in finalists:
+    return ["", f"Finalists: decoded once every cell has finished ({finalists['pending']} cells to go)."]
+  keys = [f"{t}/all" for t in finalists["temperatures"]]
+  head = ["finalist", "layers", "seeds"] + [h for k in keys for h in (f"τ {k}", "Δτ [95 % bootstrap]", "p(Δ≤0)")]
+  per = finalists.get("prompts_per_dataset", {})
+  lines = ["", f"Finalists: speculative τ on {', '.join(f'{n} {d}' for d, n in per.items())} prompts; Δτ against "
+           f"`{finalists['baseline']}` on the same prompts, 95 % percentile interval of a paired bootstrap over "
+           "prompts (4,000 resamples).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in finalists["rows"]:
+    base = r["name"] == finalists["baseline"]
+    cells = [f"**{r['name']}**" if base else r["name"], ",".join(map(str, r["ids"])), str(r["seeds"])]
+    for k in keys:
+      tau, d = r["tau"].get(k), r["vs_baseline"].get(k)
+      cells.append("–" if tau is None else f"{tau:.3f}")
+      if base:
+        cells += ["(baseline)", ""]
+      elif d is None:
+        cells += ["–", "–"]
+      else:
+        cells += [f"{d['delta']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]", f"{d['p_le_0']:.3f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
 
 
 def _dynamics_lines(dynamics: dict | None, baseline: str) -> list[str]:

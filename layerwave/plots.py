@@ -21,7 +21,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from layerwave import atomic  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 __all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
-           "plot_all", "plot_comparison", "plot_learning_curves"]
+           "plot_all", "plot_comparison", "plot_learning_curves", "plot_sim_tau"]
 
 
 def save_figure(fig, path: str) -> str:
@@ -210,6 +210,77 @@ def plot_comparison(path: str, summary: Mapping) -> str:
   right.legend(handles=[matplotlib.lines.Line2D([], [], color=c, marker="o", lw=1, label=k)
                         for k, c in kinds.items() if any(r["kind"] == k for r in rows)], fontsize=8)
   right.grid(alpha=0.3)
+  fig.tight_layout()
+  return save_figure(fig, path)
+
+
+def plot_sim_tau(path: str, summary: Mapping) -> str:
+  """The comparison at a glance: held-out sim τ (mean ± 95 % CI over seeds) per set, ordered by the selection
+  objective, the baseline marked; with dynamics (`summary["dynamics"]`), a second panel of sim τ against the
+  training budget per dynamics set.
+
+  Sets of another k than the baseline's (`compare.ks`) sit at the right, after a gap: their objective does not
+  compare with the baseline's k.
+  """
+  base_name = summary["baseline"]
+  rows = summary["rows"]
+  k = len(next(r for r in rows if r["name"] == base_name)["ids"])
+  seen, same_k, other_k = set(), [], []
+  for r in rows:
+    if tuple(r["ids"]) not in seen:
+      seen.add(tuple(r["ids"]))
+      (same_k if len(r["ids"]) == k else other_k).append(r)
+  same_k.sort(key=lambda r: r["objective"])
+  other_k.sort(key=lambda r: (len(r["ids"]), r["objective"]))
+  ordered = same_k + other_k
+  dynamics = summary.get("dynamics") or {}
+  fig, axes = plt.subplots(1, 2 if dynamics else 1, figsize=(15 if dynamics else 10, 4.8),
+                           gridspec_kw={"width_ratios": [1.6, 1]} if dynamics else None, squeeze=False)
+  ax = axes[0, 0]
+  x = np.arange(len(ordered)) + np.array([0] * len(same_k) + [1] * len(other_k))
+  means = np.array([r["metrics"]["sim_tau"]["mean"] for r in ordered], np.float64)
+  errs = np.nan_to_num(np.array([r["metrics"]["sim_tau"]["ci95"] for r in ordered], np.float64))
+  is_base = np.array([r["name"] == base_name for r in ordered])
+  ax.errorbar(x[~is_base], means[~is_base], yerr=errs[~is_base], fmt="o", color="C0", capsize=3, ms=5)
+  ax.errorbar(x[is_base], means[is_base], yerr=errs[is_base], fmt="*", color="C3", capsize=3, ms=12,
+              label=f"{base_name} (baseline)")
+  if is_base.any() and np.isfinite(means[is_base][0]):
+    ax.axhline(means[is_base][0], color="C3", ls="--", lw=1)
+  if other_k:
+    ax.axvline(len(same_k), color="0.5", ls=":", lw=1)
+    ax.annotate("other k →", (len(same_k), 1), xycoords=("data", "axes fraction"), xytext=(4, -12),
+                textcoords="offset points", fontsize=8, color="0.4")
+  ax.set_xticks(x)
+  ax.set_xticklabels([f"{r['name']}\n{','.join(map(str, r['ids']))}" for r in ordered], rotation=60,
+                     ha="right", fontsize=7)
+  corr = summary["spearman_objective"].get("sim_tau", {})
+  title = (f"held-out sim τ by set, ordered by the selection objective (k = {k}); Spearman ρ = "
+           f"{corr['rho']:+.2f} (p = {corr['p']:.2g})" if np.isfinite(corr.get("rho", np.nan))
+           else f"held-out sim τ by set, ordered by the selection objective (k = {k})")
+  ax.set_title(title, fontsize=9)
+  ax.set_ylabel("held-out sim τ, mean ± 95% CI over seeds")
+  ax.grid(axis="y", alpha=0.3)
+  ax.legend(fontsize=8, loc="lower right")
+  if dynamics:
+    dx = axes[0, 1]
+    budgets = sorted(dynamics.values(), key=lambda b: b["budget"])
+    steps = [b["num_steps"] for b in budgets]
+    palette = [f"C{j}" for j in range(10) if j != 3]  # C3 (red) is the baseline's
+    for i, name in enumerate(r["name"] for r in budgets[0]["rows"]):
+      m = [next(r for r in b["rows"] if r["name"] == name)["sim_tau"] for b in budgets]
+      base = name == base_name
+      dx.errorbar(steps, [v["mean"] for v in m], yerr=np.nan_to_num([v["ci95"] for v in m]), capsize=3,
+                  marker="*" if base else "o", color="C3" if base else palette[i % len(palette)],
+                  lw=2 if base else 1,
+                  label=name)
+    dx.set_xscale("log", base=2)
+    dx.set_xticks(steps)
+    dx.set_xticklabels([f"{b['budget']:g}×\n{b['num_steps']}" for b in budgets], fontsize=8)
+    dx.set_xlabel("training budget (× cell budget, steps)")
+    dx.set_ylabel("held-out sim τ")
+    dx.set_title("dynamics: does the ranking hold as drafts improve?", fontsize=9)
+    dx.grid(alpha=0.3)
+    dx.legend(fontsize=7)
   fig.tight_layout()
   return save_figure(fig, path)
 

@@ -15,9 +15,11 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 import layerwave
 from layerwave import compare
+from layerwave import compare_table
 from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.speculative import evaluate
@@ -183,6 +185,9 @@ def test_compare_options_parse_the_section_once():
     ({"datasets": ""}, r"compare\.datasets is empty"),
     ({"temperatures": "0,-1"}, r"compare\.temperatures must list temperatures >= 0"),
     ({"max_new_tokens": 0}, r"compare\.max_new_tokens must be >= 1"),
+    ({"finalists": 3, "keep_checkpoints": False}, r"compare\.finalists .* needs their checkpoints"),
+    ({"finalists": 3, "finalist_seeds": 2, "seeds": 1}, r"compare\.finalist_seeds in \[1, compare\.seeds=1\]"),
+    ({"finalist_prompts": 0}, r"compare\.finalist_prompts >= 1"),
 ])
 def test_compare_options_refuse_bad_values_naming_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -239,6 +244,85 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
   del results[(order[0].key, 2)]
   partial = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
   assert {r["name"]: r for r in partial["rows"]}[order[0].name]["metrics"]["T0/all"]["n"] == 2
+
+
+def test_predictors_by_hand_and_their_spearman():
+  record = _record()
+  e = np.asarray(record.filtered.prompt_entropy, np.float64)
+  c = np.asarray(record.filtered.cka_minibatch, np.float64)
+  cands = list(record.candidates)
+  e_hat = (e - e[cands].min()) / (e[cands].max() - e[cands].min())
+  got = compare.set_predictors(record, (3, 7, 10))
+  assert got["informativeness Σ Ê"] == pytest.approx(e_hat[3] + e_hat[7] + e_hat[10])
+  assert got["redundancy Σ C"] == pytest.approx(c[3, 7] + c[3, 10] + c[7, 10])
+  assert got["deepest layer"] == 10 and got["distance to the last layer"] == L - 10
+  assert got["filtered entropy of the deepest layer"] == pytest.approx(e[10])
+  assert got["spread (deepest − shallowest)"] == 7 and got["mean depth"] == pytest.approx(20 / 3)
+  assert compare.set_predictors(record, (L,))["redundancy Σ C"] == 0.0  # k = 1: no pairs
+  # sim τ rising with the deepest layer: ρ = +1 for depth, −1 for the distance to the last layer.
+  cfg = _compare(sets="eagle3", lams="", num_random=4, manual="1,2,3")
+  sets = compare.layer_sets(record, cfg)
+  distinct = list({s.key: s for s in sets}.values())
+  results = {(s.key, 0): _result(1.5, 1.2, 1.0 + 0.01 * max(s.ids) + 0.001 * np.mean(s.ids)) for s in distinct}
+  summary = compare.summarize(sets, results, [0], cfg, {"mtbench": None},
+                              predictors={s.name: compare.set_predictors(record, s.ids) for s in sets})
+  preds = summary["spearman_predictors"]
+  sim = [results[(s.key, 0)]["train"]["heldout_sim_tau"] for s in distinct]
+  want = scipy_stats.spearmanr([max(s.ids) for s in distinct], sim)
+  assert preds["deepest layer"]["sim_tau"]["rho"] == pytest.approx(want.statistic) and want.statistic > 0.9
+  assert preds["deepest layer"]["sim_tau"]["p"] == pytest.approx(want.pvalue)
+  assert preds["distance to the last layer"]["sim_tau"]["rho"] == pytest.approx(-want.statistic)
+  assert preds["deepest layer"]["sim_tau"]["num_sets"] == len(distinct) == 6
+  assert np.isnan(preds["deepest layer"]["T0/all"]["rho"])  # τ constant across sets: undefined, not an error
+  table = compare.markdown_table(summary)
+  assert "What predicts τ" in table and "| selection objective Σ Ê − λ Σ C |" in table
+  assert "Strongest candidate against sim τ" in table
+
+
+def test_paired_bootstrap_resamples_prompts_as_a_plain_loop_does():
+  rng = np.random.default_rng(3)
+  calls = rng.integers(5, 30, size=40)
+  base = np.stack([calls * 2 + rng.integers(0, 5, 40), calls], 1)
+  better = np.stack([base[:, 0] + calls // 3, calls], 1)  # ~+0.33 tokens per verification on every prompt
+  got = compare_table.paired_bootstrap(better, base, num=500, seed=7)
+  # The reference: the same resamples, one at a time, τ as Σ emitted / Σ calls in float64.
+  idx = np.random.default_rng(7).integers(0, 40, (500, 40))
+  ref = [better[i, 0].sum() / better[i, 1].sum() - base[i, 0].sum() / base[i, 1].sum() for i in idx]
+  assert got["lo"] == pytest.approx(np.percentile(ref, 2.5)) and got["hi"] == pytest.approx(np.percentile(ref, 97.5))
+  assert got["delta"] == pytest.approx(better[:, 0].sum() / calls.sum() - base[:, 0].sum() / calls.sum())
+  assert 0 < got["lo"] < got["delta"] < got["hi"] and got["p_le_0"] == 0.0 and got["prompts"] == 40
+  same = compare_table.paired_bootstrap(base, base)
+  assert same["delta"] == same["lo"] == same["hi"] == 0.0 and same["p_le_0"] == 1.0
+  with pytest.raises(ValueError, match="the same prompts for both"):
+    compare_table.paired_bootstrap(base, base[:-1])
+
+
+def test_finalists_are_the_best_by_sim_tau_then_the_baseline():
+  cfg = _compare(sets="eagle3,exhaustive,entropy,greedy", lams="", num_random=2, manual="1,2,3", finalists=2,
+                 seeds=2)
+  sets = compare.layer_sets(_record(), cfg)
+  distinct = list({s.key: s for s in sets}.values())
+  sim = {s.key: 1.0 + 0.1 * i for i, s in enumerate(distinct)}
+  results = {(s.key, seed): _result(1.5, 1.2, sim[s.key]) for s in distinct for seed in range(2)}
+  summary = compare.summarize(sets, results, [0, 1], cfg, {"mtbench": None})
+  chosen = compare.choose_finalists(sets, summary, cfg)
+  base = next(s for s in sets if s.name == "eagle3")
+  best = [s.key for s in sorted(distinct, key=lambda s: -sim[s.key]) if s.key != base.key][:2]
+  assert [s.key for s in chosen] == best + [base.key] and chosen[-1].name == "eagle3"
+  # Per prompt [emitted, calls]: the first finalist emits one more token per prompt than the baseline, per seed.
+  stats = lambda extra: [[10 + extra, 4], [7 + extra, 3], [12 + extra, 6]]  # noqa: E731
+  evals = {(s.key, seed): {"eval": {"T0/mtbench": {"prompt_stats": stats(extra)},
+                                    "T0/all": {"prompt_stats": stats(extra)}}}
+           for s, extra in zip(chosen, (1, 0, 0)) for seed in range(2)}
+  out = compare_table.finalist_summary(chosen, evals, [0, 1], dataclasses.replace(cfg, temperatures=(0.0,)), ["mtbench"])
+  rows = {r["name"]: r for r in out["rows"]}
+  first = rows[chosen[0].name]
+  assert first["tau"]["T0/all"] == pytest.approx(32 / 13) and first["seeds"] == 2
+  assert first["vs_baseline"]["T0/all"]["delta"] == pytest.approx(32 / 13 - 29 / 13)
+  assert first["vs_baseline"]["T0/all"]["lo"] > 0 and "T0/all" not in rows["eagle3"]["vs_baseline"]
+  table = "\n".join(compare_table._finalist_lines(out))
+  assert "| **eagle3** |" in table and "paired bootstrap over prompts" in table
+  assert compare_table._finalist_lines({"pending": 4})[1].endswith("(4 cells to go).")
 
 
 def _config():
@@ -390,8 +474,10 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with open(os.path.join(workdir, "results.md")) as f:
     assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16): τ T0/all" in f.read()
   # The dynamics: eagle3 again at half the steps; only that cell trains.
+  # With the finalists: the best set by sim τ and eagle3 decode 3 prompts each, paired by prompt.
   half = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)), "--config.compare.budgets=0.5",
-                                "--config.compare.budget_sets=eagle3"], check=True, cwd=ROOT, timeout=600,
+                                "--config.compare.budget_sets=eagle3", "--config.compare.finalists=1",
+                                "--config.compare.finalist_prompts=3"], check=True, cwd=ROOT, timeout=600,
                         capture_output=True, text=True)
   assert "Cell 4/4: eagle3 [2, 4, 5] seed 0 budget x0.5" in half.stderr and "Cell 3/4" not in half.stderr
   with open(os.path.join(workdir, "cells", "L2-4-5", "x0.5", "seed0", "result.json")) as f:
@@ -402,8 +488,18 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
     dynamics = json.load(f)["dynamics"]
   assert list(dynamics) == ["x0.5", "x1"] and [r["name"] for r in dynamics["x1"]["rows"]] == ["eagle3"]
   assert dynamics["x0.5"]["rows"][0]["sim_tau"]["values"] == [halved["train"]["heldout_sim_tau"]]
+  with open(os.path.join(workdir, "results.json")) as f:
+    finalists = json.load(f)["finalists"]
+  assert [r["name"] for r in finalists["rows"]][-1] == "eagle3" and len(finalists["rows"]) == 2
+  assert finalists["prompts_per_dataset"] == {"mtbench": 3}
+  winner = finalists["rows"][0]
+  assert 1.0 <= winner["tau"]["T0/all"] <= 4 and winner["vs_baseline"]["T0/all"]["prompts"] == 3
+  with open(os.path.join(workdir, "finalists", "L2-4-5", "seed0.json")) as f:
+    assert len(json.load(f)["eval"]["T0/all"]["prompt_stats"]) == 3
+  assert len(cell["eval"]["T0/all"]["prompt_stats"]) == 2  # every cell keeps its per-prompt counts too
   with open(os.path.join(workdir, "results.md")) as f:
-    assert "Dynamics: held-out sim τ as the budget grows" in f.read()
+    md = f.read()
+  assert "Dynamics: held-out sim τ as the budget grows" in md and "Finalists: speculative τ on 3 mtbench" in md
   missing = subprocess.run(base + ["--config.compare.release=no-such-draft", "--config.compare.report_only=True"],
                            check=True, cwd=ROOT, timeout=600, capture_output=True, text=True, env=env)
   assert "no such release" in missing.stderr and "releases: tiny-eagle3" in missing.stderr

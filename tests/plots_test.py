@@ -61,6 +61,26 @@ def test_comparison_figure(tmp_path):
   assert _is_png(plots.plot_comparison(str(tmp_path / "compare.png"), summary))
 
 
+def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path):
+  def row(name, ids, sim, objective):
+    return {"name": name, "ids": ids, "objective": objective, "metrics": {"sim_tau": {"mean": sim, "ci95": 0.02}}}
+  rows = [row("eagle3", [2, 15, 27], 1.60, 0.5), row("exhaustive", [3, 12, 20], 1.65, 0.9),
+          row("cka_only", [1, 2, 3], 1.55, 0.1), row("last", [30], 1.40, 1.0), row("nan", [4, 5, 6], float("nan"), 0)]
+  summary = {"baseline": "eagle3", "rows": rows,
+             "spearman_objective": {"sim_tau": {"rho": 1.0, "p": 0.0, "num_sets": 3}}}
+  open_before = plt.get_fignums()
+  alone = matplotlib.image.imread(plots.plot_sim_tau(str(tmp_path / "alone.png"), summary))
+  dyn_rows = lambda d: [{"name": "eagle3", "ids": [2, 15, 27], "sim_tau": {"mean": 1.5 + d, "ci95": 0.01}},  # noqa: E731
+                        {"name": "exhaustive", "ids": [3, 12, 20], "sim_tau": {"mean": 1.52 + d, "ci95": float("nan")}}]
+  summary["dynamics"] = {"x0.25": {"budget": 0.25, "num_steps": 100, "rows": dyn_rows(-0.2)},
+                         "x1": {"budget": 1.0, "num_steps": 400, "rows": dyn_rows(0.0)},
+                         "x4": {"budget": 4.0, "num_steps": 1600, "rows": dyn_rows(0.3)}}
+  both = matplotlib.image.imread(plots.plot_sim_tau(str(tmp_path / "both.png"), summary))
+  red = lambda im: np.sum((im[..., 0] > 0.75) & (im[..., 1] < 0.3) & (im[..., 2] < 0.3))  # noqa: E731
+  assert red(alone) > 30 and both.shape[1] > alone.shape[1] and red(both) > red(alone)
+  assert plt.get_fignums() == open_before
+
+
 def test_a_failed_save_leaves_nothing_and_closes_the_figure(tmp_path, monkeypatch):
   fig, ax = plt.subplots()
   ax.plot([0, 1])

@@ -376,7 +376,7 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
 
   Returns:
     (outputs per prompt, summed `accept_length_hist` or None for plain decoding, decode seconds,
-     per-batch rows {seconds, new_tokens[, tau, verify_calls]}).
+     per-batch rows {seconds, new_tokens[, tau, verify_calls, prompt_stats]}).
   """
   batches = [list(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size)]
   if warmup:
@@ -393,8 +393,16 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
       h = np.asarray(m["accept_length_hist"], np.int64)
       hist = h if hist is None else hist + h
       row.update(tau=m["tau"], verify_calls=m["verify_calls"])
+    if "accept_lengths" in m:
+      row["prompt_stats"] = prompt_stats(m["accept_lengths"])
     per_batch.append(row)
   return outs, hist, seconds, per_batch
+
+
+def prompt_stats(accept_lengths: Sequence[Sequence[int]]) -> list[list[int]]:
+  """Per prompt [emitted tokens, verifications] from `generate`'s `accept_lengths` (bonus tokens included, as
+  in τ): summed over prompts they are the histogram's, so τ of any subset of prompts is Σ emitted / Σ calls."""
+  return [[int(sum(m + 1 for m in row)), len(row)] for row in accept_lengths]
 
 
 def acceptance_metrics(hist: np.ndarray) -> dict[str, Any]:

@@ -207,6 +207,13 @@ class Evaluation:
   settings: DecodeSettings | None = None
   tuning: tuner.Tuning | None = None
 
+  def prompt_stats(self) -> list[list[int]] | None:
+    """Per prompt, in `outputs`' order, [emitted tokens, verifications] (`decode.prompt_stats`); None when a
+    batch did not report them."""
+    if not self.per_batch or any("prompt_stats" not in b for b in self.per_batch):
+      return None
+    return [p for b in self.per_batch for p in b["prompt_stats"]]
+
 
 def evaluate(target, draft, prompts: Sequence[Sequence[int]], settings: DecodeSettings, seed: int,
              paired: bool, warmup: bool = True) -> Evaluation:
@@ -269,6 +276,9 @@ def acceptance_row(ev: Evaluation, greedy: bool) -> dict[str, Any]:
   m = decode.acceptance_metrics(ev.accept_length_hist[None])
   row = {"tau": m["tau"], "acceptance": m["acceptance"], "verify_calls": m["verify_calls"],
          "new_tokens": sum(len(o) for o in ev.outputs), "accept_length_hist": ev.accept_length_hist.tolist()}
+  stats = ev.prompt_stats()
+  if stats is not None:
+    row["prompt_stats"] = stats  # per prompt [emitted, verifications]: paired bootstraps over prompts
   if ev.timed is not None:
     row.update(ev.timed.summary())
     if greedy:

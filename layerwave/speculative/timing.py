@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from layerwave.speculative import decode as decode_lib
+
 __all__ = ["PairedTiming", "combine", "paired_speedup"]
 
 # fn(batch of prompts) -> (new-token lists, metrics): `layerwave.generate(..., return_stats=True)` or
@@ -39,7 +41,7 @@ class PairedTiming:
     accept_length_hist: `[K+1]` the speculative calls' accepted-length counts summed over batches (one
       call per batch), or None when `spec_fn` reports none.
     per_batch: per batch {new_tokens, plain_new_tokens, seconds, plain_seconds (medians over its
-      repeats), speedup (median of its ratios)[, tau, verify_calls]}.
+      repeats), speedup (median of its ratios)[, tau, verify_calls, prompt_stats (`decode.prompt_stats`)]}.
   """
 
   ratios: tuple[float, ...]
@@ -166,6 +168,8 @@ def paired_speedup(plain_fn: DecodeFn, spec_fn: DecodeFn, prompts: Sequence[Sequ
       h = np.asarray(metrics["accept_length_hist"], np.int64)
       hist = h if hist is None else hist + h
       row.update(tau=metrics["tau"], verify_calls=metrics["verify_calls"])
+    if "accept_lengths" in metrics:
+      row["prompt_stats"] = decode_lib.prompt_stats(metrics["accept_lengths"])
     per_batch.append(row)
   return PairedTiming(tuple(ratios), tuple(plain_rates), tuple(spec_rates), int(repeats), plain_outputs,
                       spec_outputs, hist, per_batch)

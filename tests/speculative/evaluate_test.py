@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import transformers
 
@@ -50,6 +51,11 @@ def test_paired_greedy_evaluation_equals_plain_decoding(llama):
   assert row["equal_to_ar"] == 1.0 and row["new_tokens"] == 2 * summary["new_tokens"]
   table = evaluate.table(summary, settings)
   assert "| chain K=5 | 0 | 4 |" in table and "speedup = spec ÷ AR tokens/s" in table
-  alone = evaluate.summary(evaluate.evaluate(target, trained, PROMPTS, settings, seed=0, paired=False))
+  assert row["prompt_stats"] == 2 * ev.prompt_stats()  # pooled in outputs' order
+  unpaired = evaluate.evaluate(target, trained, PROMPTS, settings, seed=0, paired=False)
+  assert unpaired.prompt_stats() == ev.prompt_stats() and len(ev.prompt_stats()) == len(PROMPTS)
+  emitted, calls = np.asarray(ev.prompt_stats()).sum(axis=0)
+  assert emitted / calls == pytest.approx(summary["tau"])
+  alone = evaluate.summary(unpaired)
   assert "speedup" not in alone and alone["tau"] == summary["tau"]
   assert "| - | - | - |" in evaluate.table(alone, settings)

@@ -197,4 +197,9 @@ def test_real_target_and_draft(llama):
   assert result.accept_length_hist.tolist() == want.tolist()
   assert sum(r["verify_calls"] for r in result.per_batch) == want.sum()
   assert sum(r["new_tokens"] for r in result.per_batch) == sum(len(o) for o in ref)
+  # Per prompt [emitted, verifications]: they add up to the histogram, and each prompt emitted its output.
+  stats = np.asarray([p for r in result.per_batch for p in r["prompt_stats"]])
+  assert stats.shape == (len(PROMPTS), 2) and stats[:, 1].sum() == want.sum()
+  assert stats[:, 0].sum() == (want * np.arange(1, want.size + 1)).sum()
+  assert all(e >= len(o) - 1 for (e, _), o in zip(stats, ref))  # the first token comes from the prefill
   assert result.summary()["speedup"] == pytest.approx(np.median(result.ratios))
