@@ -217,6 +217,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.finalists = 0
   c.compare.finalist_prompts = 80
   c.compare.finalist_seeds = 1
+  # A linear probe of the next token per set and per layer (`--config.compare.probe_tokens=20000`, offline
+  # comparisons: fit on train.features' train split, scored on its heldout split), tested as a predictor of τ.
+  c.compare.probe_tokens = 0
+  c.compare.probe_vocab = 1024  # probe classes: the most frequent next tokens
 
   if arg == "smoke":
     c.data.max_length = 128

@@ -52,19 +52,21 @@ from layerwave.inference import load_target
 from layerwave.speculative import evaluate as evaluate_lib
 from layerwave.training import features as features_lib
 from layerwave.training import loop
+from layerwave.training import probe as probe_lib
 from layerwave.training import release as release_lib
 from layerwave.training import restore
 from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
-           "SET_ITEMS", "choose_finalists", "run_finalists", "set_predictors"]
+           "SET_ITEMS", "choose_finalists", "probe_scores", "run_finalists", "set_predictors"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
-             "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds")
+             "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds",
+             "probe_tokens", "probe_vocab")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -127,6 +129,8 @@ class CompareOptions:
   finalists: int = 0
   finalist_prompts: int = 80
   finalist_seeds: int = 1
+  probe_tokens: int = 0
+  probe_vocab: int = 1024
 
   def __post_init__(self):
     if self.ablation_strategy not in ("greedy", "exhaustive"):
@@ -154,6 +158,9 @@ class CompareOptions:
       raise ValueError(f"compare.finalists must be >= 0, compare.finalist_prompts >= 1 and "
                        f"compare.finalist_seeds in [1, compare.seeds={self.seeds}]; got {self.finalists}, "
                        f"{self.finalist_prompts} and {self.finalist_seeds}.")
+    if self.probe_tokens < 0 or self.probe_vocab < 2:
+      raise ValueError(f"compare.probe_tokens must be >= 0 (0: no probe) and compare.probe_vocab >= 2; got "
+                       f"{self.probe_tokens} and {self.probe_vocab}.")
     if self.finalists and not self.keep_checkpoints:
       raise ValueError("compare.finalists decodes the finalists' drafts after every cell has finished, so it "
                        "needs their checkpoints: set compare.keep_checkpoints=True (or compare.finalists=0).")
@@ -509,8 +516,14 @@ def run(config, workdir: str) -> dict[str, Any]:
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
                  seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
                  time.perf_counter() - tic)
-  summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts,
-                      predictors={s.name: set_predictors(record, s.ids) for s in sets})
+  predictors = {s.name: set_predictors(record, s.ids) for s in sets}
+  if cmp.probe_tokens:
+    probes = probe_scores(recipe, sets, cmp, workdir)
+    for s in sets:
+      predictors[s.name]["linear probe of the next token (its layers concatenated)"] = probes["sets"][s.key[1:]]
+      predictors[s.name]["linear probe of the next token (mean over its layers)"] = float(
+          np.mean([probes["layers"][str(i)] for i in s.ids]))
+  summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts, predictors=predictors)
   if cmp.finalists:
     summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings,
                                          str(config.data.chat_format), workdir)
@@ -545,6 +558,32 @@ def dynamics_summary(sets: Sequence[LayerSet], by_budget: dict[float, dict], see
     out[budget_key(b)] = {"budget": b, "num_steps": cell_recipe(recipe, 0, b).train.num_steps,
                           "rows": [{"name": r["name"], "ids": r["ids"], "sim_tau": r["metrics"]["sim_tau"],
                                     "vs_baseline": r["vs_baseline"]["sim_tau"]} for r in rows]}
+  return out
+
+
+def probe_scores(recipe: Recipe, sets: Sequence[LayerSet], cmp: CompareOptions, workdir: str) -> dict[str, Any]:
+  """Held-out next-token accuracy of a linear probe per set and per layer (`layerwave.training.probe`), on the
+  cells' own training store (`train.features`: its train split fits, its heldout split scores); kept in
+  `W/probe.json` under the store's fingerprint, the probe settings and the sets."""
+  if not recipe.train.features:
+    raise ValueError("compare.probe_tokens reads the cells' feature store: set train.features (an offline "
+                     "comparison), or compare.probe_tokens=0.")
+  options = probe_lib.ProbeOptions(tokens=cmp.probe_tokens, heldout_tokens=max(1, cmp.probe_tokens // 4),
+                                   vocab=cmp.probe_vocab)
+  ids = sorted({s.ids for s in sets})
+  store = features_lib.open_store(recipe.train.features)
+  key = options_lib.fingerprint({"store": store.fingerprint, "options": dataclasses.asdict(options),
+                                 "sets": [list(i) for i in ids]})
+  path = os.path.join(workdir, "probe.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      cached = json.load(f)
+    if cached.get("key") == key:
+      return cached
+  logging.info("Linear probes of the next token: %d sets, %d tokens of %s", len(ids), options.tokens,
+               recipe.train.features)
+  out = {"key": key, **probe_lib.probe_sets(recipe.train.features, ids, options)}
+  atomic.write_json(path, out)
   return out
 
 

@@ -132,3 +132,27 @@ def test_compare_refuses_a_store_that_lacks_a_sets_layer_before_training(stores,
   lacking = compare.LayerSet("even-k4", tuple(sorted({*LAYERS[:2], *outside})), "k", 0.0, "")
   with pytest.raises(features.StoreError, match=rf"train\.features=.*even-k4 lacks \[{outside[0]}, {outside[1]}\]"):
     compare.check_store_layers(recipe, [covered, lacking])
+
+
+def test_compare_probes_its_sets_on_the_training_store_and_keeps_the_result(stores, tiny_chat_target_dir,
+                                                                            tmp_path):
+  from layerwave import compare
+  from layerwave.training import probe
+  from layerwave.training.options import Recipe
+  _, path, _ = stores
+  recipe = Recipe.from_config(tiny_config(tiny_chat_target_dir))
+  cmp = compare.CompareOptions(probe_tokens=200, probe_vocab=8, seeds=1)
+  sets = [compare.LayerSet("eagle3", tuple(LAYERS), "baseline", 0.0, ""),
+          compare.LayerSet("last-two", tuple(LAYERS[1:]), "manual", 0.0, "")]
+  with pytest.raises(ValueError, match="compare.probe_tokens reads the cells' feature store: set train.features"):
+    compare.probe_scores(recipe, sets, cmp, str(tmp_path))
+  recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, features=path))
+  got = compare.probe_scores(recipe, sets, cmp, str(tmp_path))
+  want = probe.probe_sets(path, [s.ids for s in sets], probe.ProbeOptions(tokens=200, heldout_tokens=50, vocab=8))
+  assert got["sets"] == want["sets"] and got["layers"] == want["layers"]
+  assert set(got["sets"]) == {"-".join(map(str, LAYERS)), "-".join(map(str, LAYERS[1:]))}
+  stamp = os.path.getmtime(tmp_path / "probe.json")
+  assert compare.probe_scores(recipe, sets, cmp, str(tmp_path)) == got  # read back, not refitted
+  assert os.path.getmtime(tmp_path / "probe.json") == stamp
+  more = compare.probe_scores(recipe, sets, dataclasses.replace(cmp, probe_tokens=100), str(tmp_path))
+  assert more["tokens"] == 100 and os.path.getmtime(tmp_path / "probe.json") > stamp  # other settings: refitted
