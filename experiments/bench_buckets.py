@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from layerwave import layer_ids
+from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.inference import load_target
@@ -47,12 +47,6 @@ _BATCH = flags.DEFINE_integer("batch", 8, "B of the fixed batches.")
 _K = flags.DEFINE_integer("k", 3, "TTT depth K.")
 _VOCAB = flags.DEFINE_integer("vocab", 8192, "Draft vocabulary V_d.")
 _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps per mode (after the warm-up).")
-
-
-def _timed(fn):
-  tic = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - tic
 
 
 def main(argv):
@@ -91,19 +85,19 @@ def main(argv):
     return m["loss"]
 
   # Warm-up: one step of the fixed shape and one of every bucket width (each compiles once).
-  _timed(lambda: step("fixed", next(its["fixed"])))
+  metrics_lib.timed(lambda: step("fixed", next(its["fixed"])))
   pending = set(its["bucketed"].widths)
   for _ in range(its["bucketed"].steps_per_epoch):  # a width without a full batch never comes
     batch = next(its["bucketed"])
     if batch.input_ids.shape[1] in pending:
       pending.discard(batch.input_ids.shape[1])
-      _timed(lambda batch=batch: step("bucketed", batch))
+      metrics_lib.timed(lambda batch=batch: step("bucketed", batch))
   times = {m: [] for m in its}
   tokens = {m: 0 for m in its}
   for i in range(_STEPS.value):
     for mode in its:
       batch = next(its[mode])
-      times[mode].append(_timed(lambda mode=mode, batch=batch: step(mode, batch)))
+      times[mode].append(metrics_lib.timed(lambda mode=mode, batch=batch: step(mode, batch)))
       tokens[mode] += int(batch.attention_mask.sum())
       logging.info("step %d %s %s: %.2fs, %d real tokens", i, mode, batch.input_ids.shape, times[mode][-1],
                    int(batch.attention_mask.sum()))

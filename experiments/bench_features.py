@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -39,6 +38,7 @@ from flax import nnx
 
 from layerwave import data as data_lib
 from layerwave import layer_ids
+from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
@@ -64,12 +64,6 @@ _DTYPE = flags.DEFINE_string("store_dtype", "bfloat16", "Store dtype.")
 _PARTS = flags.DEFINE_string("parts", "extraction,steps", "What to measure (the steps read the extracted store).")
 
 
-def _timed(fn):
-  tic = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - tic
-
-
 def bench_forward_and_extraction(target, dataset, store_dir, layers, batch):
   """Bare forward vs extraction, real tokens/s; returns (results, the store).
 
@@ -88,11 +82,11 @@ def bench_forward_and_extraction(target, dataset, store_dir, layers, batch):
 
   def bare(b):
     ids, mask = jax.device_put(b.input_ids, rows), jax.device_put(b.attention_mask, rows)
-    return _timed(lambda: forward_fn(target.graphdef, target.params, ids, mask).logits)
+    return metrics_lib.timed(lambda: forward_fn(target.graphdef, target.params, ids, mask).logits)
 
   def extracted(b):
     ids, mask = jax.device_put(b.input_ids, rows), jax.device_put(b.attention_mask, rows)
-    return _timed(lambda: [np.asarray(x) for x in extract_fn(target.params, ids, mask)])
+    return metrics_lib.timed(lambda: [np.asarray(x) for x in extract_fn(target.params, ids, mask)])
 
   paired = {"bare": [], "extract": []}
   tokens = 0
@@ -173,7 +167,7 @@ def bench_steps(target, dataset, store, layers, k, batch):
                                                          off, **kw)
       return m["loss"]
 
-    t_on, t_off = _timed(online), _timed(offline)
+    t_on, t_off = metrics_lib.timed(online), metrics_lib.timed(offline)
     if i >= _WARMUP.value:
       times["online"].append(t_on)
       times["offline"].append(t_off)

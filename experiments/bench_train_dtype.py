@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -37,6 +36,7 @@ from flax import nnx
 
 from layerwave import atomic
 from layerwave import layer_ids
+from layerwave import metrics as metrics_lib
 from layerwave import sharding
 from layerwave.inference import load_target
 from layerwave.models.draft import Draft, DraftConfig
@@ -53,12 +53,6 @@ _VOCAB = flags.DEFINE_integer("vocab", 4096, "Draft vocabulary V_d.")
 _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps per dtype (after the warm-up).")
 
 DTYPES = ("float32", "bfloat16")
-
-
-def _timed(fn) -> float:
-  tic = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - tic
 
 
 def _dots(hlo: str) -> dict[str, int]:
@@ -114,11 +108,11 @@ def main(argv):
     states[d], m = step_lib.train_step_offline(states[d], vocab, embed, head, batch, **kw[d])
     return m["loss"]
 
-  compile_s = {d: _timed(lambda d=d: step(d)) for d in DTYPES}
+  compile_s = {d: metrics_lib.timed(lambda d=d: step(d)) for d in DTYPES}
   times = {d: [] for d in DTYPES}
   for i in range(_STEPS.value):
     for d in DTYPES:
-      times[d].append(_timed(lambda d=d: step(d)))
+      times[d].append(metrics_lib.timed(lambda d=d: step(d)))
     logging.info("step %d: %s", i, ", ".join(f"{d} {times[d][-1]:.3f}s" for d in DTYPES))
   median = {d: statistics.median(times[d]) for d in DTYPES}
   ratio = median["float32"] / median["bfloat16"]

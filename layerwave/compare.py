@@ -338,7 +338,17 @@ def check_workdir(workdir: str, config) -> None:
                      f"{old.get('fingerprint')} vs {value}; differing fields: "
                      f"{options_lib.differing_fields(old.get('settings', {}), d)}). Resume with the same config "
                      "or use a new --workdir.")
+  cells = os.path.join(workdir, "cells")
+  if os.path.isdir(cells) and any("result.json" in files for _, _, files in os.walk(cells)):
+    raise ValueError(f"{workdir} holds finished cells but no compare.json: a comparison of an older layerwave "
+                     "(e.g. the 61k-token sweep), whose budget and settings cannot be checked against this "
+                     "config. Use a new --workdir.")
   atomic.write_json(path, {"fingerprint": value, "settings": d})
+
+
+def recipe_key(recipe: Recipe) -> str:
+  """What a cell's result.json records of the recipe it trained with (`Recipe.fingerprint_settings`)."""
+  return options_lib.fingerprint(recipe.fingerprint_settings())
 
 
 def cell_recipe(recipe: Recipe, seed: int, budget: float = 1.0) -> Recipe:
@@ -488,7 +498,13 @@ def run(config, workdir: str) -> dict[str, Any]:
     path = os.path.join(cell_dir, "result.json")
     if os.path.exists(path):
       with open(path) as f:
-        results[(s.key, seed)] = json.load(f)
+        result = json.load(f)
+      want = recipe_key(cell_recipe(recipe, seed, budget))
+      if result.get("recipe") != want:
+        raise ValueError(f"Cell {cell_dir} was trained with another recipe (key {result.get('recipe')}, this "
+                         f"sweep's is {want}): every cell must share the sweep's budget, data and order. Delete "
+                         "that cell's folder to retrain it, or use a new --workdir.")
+      results[(s.key, seed)] = result
       continue
     if cmp.report_only:
       continue
@@ -505,7 +521,8 @@ def run(config, workdir: str) -> dict[str, Any]:
                  ", ".join(prompts))
     draft = restore.load_draft(cell_dir, target)
     evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
-    result = {"ids": list(s.ids), "seed": seed, "budget": budget, "train": train, "train_seconds": train_seconds,
+    result = {"ids": list(s.ids), "seed": seed, "budget": budget,
+              "recipe": recipe_key(cell_recipe(recipe, seed, budget)), "train": train, "train_seconds": train_seconds,
               "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
     atomic.write_json(path, result)
     if not cmp.keep_checkpoints:

@@ -79,3 +79,11 @@ def quiet_library_logs() -> None:
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
     handler.addFilter(_DropLibraryInfo())
+
+
+def timed(fn) -> float:
+  """Wall seconds of `fn()` until its result is ready on device (`jax.block_until_ready`): benchmarks time
+  side by side with it."""
+  tic = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - tic

@@ -24,6 +24,7 @@ from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.speculative import evaluate
 from layerwave.training import release as draft_release
+from layerwave.training import options as training_options
 from layerwave.training import restore
 
 from tests import configs
@@ -329,6 +330,12 @@ def _config():
   return configs.load("smoke")
 
 
+def _smoke_config(target_dir):
+  c = configs.load("smoke")
+  c.model = target_dir
+  return c
+
+
 def test_workdir_of_a_different_config_is_refused(tmp_path):
   config = _config()
   compare.check_workdir(str(tmp_path), config)
@@ -340,6 +347,13 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
   other.train.lr = 0.5
   with pytest.raises(ValueError, match=r"different config .*train\.lr"):
     compare.check_workdir(str(tmp_path), other)
+  # An older comparison: finished cells but no compare.json to check them against.
+  old = tmp_path / "old-sweep"
+  (old / "cells" / "L2-15-27" / "seed0").mkdir(parents=True)
+  (old / "cells" / "L2-15-27" / "seed0" / "result.json").write_text("{}")
+  with pytest.raises(ValueError, match="finished cells but no compare.json: a comparison of an older layerwave"):
+    compare.check_workdir(str(old), config)
+  assert not (old / "compare.json").exists()
 
 
 def test_timing_repeats_fix_the_cells_only_when_speedups_are_timed(tmp_path):
@@ -512,6 +526,18 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
                         cwd=ROOT, timeout=600, capture_output=True, text=True)
   assert typo.returncode != 0 and "compare.datasets names 'gsm9k'" in typo.stderr
   assert not os.path.exists(os.path.join(fresh, "compare.json"))
+  # A cell trained with another recipe (here: its record edited) is refused, naming the cell.
+  with open(cells[0]) as f:
+    edited = json.load(f)
+  assert edited["recipe"] == compare.recipe_key(compare.cell_recipe(
+      training_options.Recipe.from_config(_smoke_config(tiny_chat_target_dir)), 0))
+  with open(cells[0], "w") as f:
+    json.dump(dict(edited, recipe="0" * 16), f)
+  other = subprocess.run(base + ["--config.compare.report_only=True"], cwd=ROOT, timeout=600, capture_output=True,
+                         text=True)
+  assert other.returncode != 0 and "was trained with another recipe" in other.stderr and "L2-4-5" in other.stderr
+  with open(cells[0], "w") as f:
+    json.dump(edited, f)
   bad = subprocess.run(base + ["--config.train.lr=0.123"], cwd=ROOT, timeout=600, capture_output=True, text=True)
   assert bad.returncode != 0 and "holds comparison results of a different config" in bad.stderr
   assert "train.lr" in bad.stderr
