@@ -217,6 +217,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.finalists = 0
   c.compare.finalist_prompts = 80
   c.compare.finalist_seeds = 1
+  c.compare.finalist_temperatures = ()  # empty: compare.temperatures
   # A linear probe of the next token per set and per layer (`--config.compare.probe_tokens=20000`, offline
   # comparisons: fit on train.features' train split, scored on its heldout split), tested as a predictor of τ.
   c.compare.probe_tokens = 0
@@ -338,6 +339,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.compare.temperatures = (0.0,)
     c.compare.finalists = 3
     c.compare.finalist_prompts = 80
+    c.compare.finalist_temperatures = (0.0, 1.0)
     c.compare.probe_tokens = 20000
   elif arg:
     raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe', "

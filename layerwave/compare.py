@@ -66,7 +66,7 @@ SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
              "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds",
-             "probe_tokens", "probe_vocab")
+             "finalist_temperatures", "probe_tokens", "probe_vocab")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -129,6 +129,7 @@ class CompareOptions:
   finalists: int = 0
   finalist_prompts: int = 80
   finalist_seeds: int = 1
+  finalist_temperatures: tuple[float, ...] = ()
   probe_tokens: int = 0
   probe_vocab: int = 1024
 
@@ -158,6 +159,9 @@ class CompareOptions:
       raise ValueError(f"compare.finalists must be >= 0, compare.finalist_prompts >= 1 and "
                        f"compare.finalist_seeds in [1, compare.seeds={self.seeds}]; got {self.finalists}, "
                        f"{self.finalist_prompts} and {self.finalist_seeds}.")
+    if any(t < 0 for t in self.finalist_temperatures):
+      raise ValueError(f"compare.finalist_temperatures must be >= 0 (empty: compare.temperatures), got "
+                       f"{self.finalist_temperatures!r}.")
     if self.probe_tokens < 0 or self.probe_vocab < 2:
       raise ValueError(f"compare.probe_tokens must be >= 0 (0: no probe) and compare.probe_vocab >= 2; got "
                        f"{self.probe_tokens} and {self.probe_vocab}.")
@@ -633,18 +637,28 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
     return {"pending": need - len(results)}
   chosen = choose_finalists(sets, summary, cmp)
   seeds = list(range(cmp.finalist_seeds))
+  temperatures = cmp.finalist_temperatures or cmp.temperatures
+  cmp = dataclasses.replace(cmp, temperatures=temperatures)  # what finalist_summary tabulates
   prompts = eval_prompts(dataclasses.replace(cmp, num_prompts=cmp.finalist_prompts), target.tokenizer,
                          chat_format)
   at = dataclasses.replace(settings, prompt_width=max(len(p) for ps in prompts.values() for p in ps))
+  # What a kept evaluation must hold to be reused: these prompts (their hash) at these temperatures.
+  prompts_key = options_lib.fingerprint({"prompts": prompts, "settings": dataclasses.asdict(at)})
   evals: dict[tuple[str, int], dict] = {}
   for s in chosen:
     for seed in seeds:
       path = os.path.join(workdir, "finalists", s.key, f"seed{seed}.json")
+      kept = None
       if os.path.exists(path):
         with open(path) as f:
-          evals[(s.key, seed)] = json.load(f)
-        continue
-      if cmp.report_only:
+          kept = json.load(f)
+      if kept is not None and kept.get("prompts_key") == prompts_key:
+        todo = [t for t in temperatures if f"{temperature_key(t)}/all" not in kept["eval"]]
+      else:
+        kept, todo = None, list(temperatures)
+      if not todo or cmp.report_only:
+        if kept is not None:
+          evals[(s.key, seed)] = kept
         continue
       cell_dir = _cell_dir(workdir, s, seed)
       if not os.path.isdir(os.path.join(cell_dir, "checkpoints")):
@@ -652,13 +666,14 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
             f"Finalist {s.name} {list(s.ids)} seed {seed} has no checkpoint in {cell_dir} (its cell ran with "
             "compare.keep_checkpoints=False): retrain that cell (delete its result.json) or set "
             "compare.finalists=0.")
-      logging.info("Finalist %s %s seed %d: speculative decoding of %d prompts", s.name, list(s.ids), seed,
-                   sum(len(p) for p in prompts.values()))
+      logging.info("Finalist %s %s seed %d: speculative decoding of %d prompts at T = %s", s.name, list(s.ids),
+                   seed, sum(len(p) for p in prompts.values()), ", ".join(f"{t:g}" for t in todo))
       tic = time.perf_counter()
       draft = restore.load_draft(cell_dir, target)
-      row = {"ids": list(s.ids), "seed": seed,
-             "eval": evaluate_draft(target, draft, prompts, at, cmp.temperatures, seed, speedup=False),
-             "eval_seconds": time.perf_counter() - tic}
+      new = evaluate_draft(target, draft, prompts, at, todo, seed, speedup=False)
+      row = {"ids": list(s.ids), "seed": seed, "prompts_key": prompts_key,
+             "eval": {**(kept or {}).get("eval", {}), **new},
+             "eval_seconds": (kept or {}).get("eval_seconds", 0.0) + time.perf_counter() - tic}
       atomic.write_json(path, row)
       evals[(s.key, seed)] = row
   out = finalist_summary(chosen, evals, seeds, cmp, list(prompts))

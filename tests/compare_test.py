@@ -491,7 +491,8 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   # With the finalists: the best set by sim τ and eagle3 decode 3 prompts each, paired by prompt.
   half = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)), "--config.compare.budgets=0.5",
                                 "--config.compare.budget_sets=eagle3", "--config.compare.finalists=1",
-                                "--config.compare.finalist_prompts=3"], check=True, cwd=ROOT, timeout=600,
+                                "--config.compare.finalist_prompts=3", "--config.compare.finalist_temperatures=0,1"],
+                        check=True, cwd=ROOT, timeout=600,
                         capture_output=True, text=True)
   assert "Cell 4/4: eagle3 [2, 4, 5] seed 0 budget x0.5" in half.stderr and "Cell 3/4" not in half.stderr
   with open(os.path.join(workdir, "cells", "L2-4-5", "x0.5", "seed0", "result.json")) as f:
@@ -508,6 +509,7 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   assert finalists["prompts_per_dataset"] == {"mtbench": 3}
   winner = finalists["rows"][0]
   assert 1.0 <= winner["tau"]["T0/all"] <= 4 and winner["vs_baseline"]["T0/all"]["prompts"] == 3
+  assert finalists["temperatures"] == ["T0", "T1"] and 1.0 <= winner["tau"]["T1/all"] <= 4
   with open(os.path.join(workdir, "finalists", "L2-4-5", "seed0.json")) as f:
     assert len(json.load(f)["eval"]["T0/all"]["prompt_stats"]) == 3
   assert len(cell["eval"]["T0/all"]["prompt_stats"]) == 2  # every cell keeps its per-prompt counts too
