@@ -108,6 +108,8 @@ PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=dist
 paper-analysis: setup
 	$(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
 	$(PY) experiments/analyze.py --config=configs/smollm2_135m.py --workdir=$(PAPER)/analysis-sharegpt
+	$(PY) experiments/compare_waves.py --a=$(PAPER)/analysis --b=$(PAPER)/analysis-sharegpt \
+	    --names=distilled,sharegpt --out=$(PAPER)/waves
 
 paper-store: setup
 	$(PY) experiments/extract_features.py $(PAPER_RECIPE) --config.features.dir=$(PAPER)/features

@@ -21,7 +21,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 from layerwave import atomic  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 __all__ = ["save_figure", "plot_entropy_wave", "plot_cka", "plot_selections", "plot_token_entropy",
-           "plot_all", "plot_comparison", "plot_learning_curves", "plot_sim_tau"]
+           "plot_all", "plot_comparison", "plot_learning_curves", "plot_sim_tau", "plot_two_waves"]
 
 
 def save_figure(fig, path: str) -> str:
@@ -281,6 +281,34 @@ def plot_sim_tau(path: str, summary: Mapping) -> str:
     dx.set_title("dynamics: does the ranking hold as drafts improve?", fontsize=9)
     dx.grid(alpha=0.3)
     dx.legend(fontsize=7)
+  fig.tight_layout()
+  return save_figure(fig, path)
+
+
+def plot_two_waves(path: str, result: Mapping, name_a: str = "A", name_b: str = "B") -> str:
+  """Two analyses of one target on different text (`layerwave.analysis.waves.compare_records`): the filtered
+  informativeness E over the candidate depths of each (left), and each strategy's selection on each (right)."""
+  cands = np.asarray(result["candidates"])
+  e = result["entropy"]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1.5, 1]})
+  left.plot(cands, e["a"], "o-", ms=3, color="C0", label=name_a)
+  left.plot(cands, e["b"], "s--", ms=3, color="C1", label=name_b)
+  left.set_xlabel("layer (HF hidden-state index)")
+  left.set_ylabel("filtered informativeness E")
+  left.set_title(f"Spearman over depths {e['spearman']:+.2f}; CKA mean |ΔC| {result['cka']['mean_abs_delta']:.3f}",
+                 fontsize=9)
+  left.grid(alpha=0.3)
+  left.legend(fontsize=8)
+  rows = result["selections"]
+  for i, s in enumerate(rows):
+    right.scatter(s["a"], [i - 0.12] * len(s["a"]), color="C0", marker="o", s=25)
+    right.scatter(s["b"], [i + 0.12] * len(s["b"]), color="C1", marker="s", s=25)
+  right.set_yticks(range(len(rows)))
+  right.set_yticklabels([s["strategy"] for s in rows], fontsize=8)
+  right.set_xlim(cands.min() - 1, cands.max() + 1)
+  right.set_xlabel("selected layers")
+  right.set_title(f"selections: {name_a} (o) vs {name_b} (s)", fontsize=9)
+  right.grid(axis="x", alpha=0.3)
   fig.tight_layout()
   return save_figure(fig, path)
 
