@@ -100,8 +100,8 @@ release-draft: setup
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and on ShareGPT, to see whether the wave moves with the text); one store of every depth
 # of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32; then every layer set x
-# 3 seeds, finalists and predictors (~6 CPU-hours, resumable). Dynamics: rerun paper-compare with
-# PAPER_FLAGS="--config.compare.budgets=0.25,4 --config.compare.budget_sets=eagle3,BEST1,BEST2,BEST3,WORST1,WORST2".
+# 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
+# (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides).
 PAPER ?= out/paper
 PAPER_FLAGS ?=
 PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=distilled:$(CAMPAIGN)/distilled

@@ -51,6 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.compare.manual = ""
     c.compare.ks = ()
     c.compare.finalists = 1
+    c.compare.budgets = ()  # no dynamics in the small version
+    c.compare.budget_sets = ()
     return c
   # The data, distill and analysis sections of SmolLM2's `:demo` (or `:smoke`), so the two waves share one budget.
   base = _smollm2_config(arg or "demo")

@@ -59,7 +59,7 @@ from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
-           "SET_ITEMS", "choose_finalists", "probe_scores", "run_finalists", "set_predictors"]
+           "SET_ITEMS", "auto_dynamics_sets", "choose_finalists", "probe_scores", "run_finalists", "set_predictors"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
@@ -372,7 +372,7 @@ def cell_recipe(recipe: Recipe, seed: int, budget: float = 1.0) -> Recipe:
 def dynamics_sets(sets: Sequence[LayerSet], cmp: CompareOptions) -> list[LayerSet]:
   """The sets trained again at `compare.budgets` (`compare.budget_sets`, default every set); the baseline must
   be among them, since their Δ is paired against it at each budget."""
-  if not cmp.budgets:
+  if not cmp.budgets or tuple(cmp.budget_sets) == ("auto",):  # auto: chosen after the 1x cells (run)
     return []
   by_name = {s.name: s for s in sets}
   names = cmp.budget_sets or tuple(by_name)
@@ -464,6 +464,72 @@ def _cell_dir(workdir: str, layer_set: LayerSet, seed: int, budget: float = 1.0)
   return os.path.join(workdir, "cells", layer_set.key, budget_key(budget), f"seed{seed}")
 
 
+def _dynamics_cells(dynamics: Sequence[LayerSet], cmp: CompareOptions, seeds: Sequence[int]) -> list[tuple]:
+  unique = {s.key: s for s in dynamics}
+  return [(s, seed, b) for b in cmp.budgets if b != 1.0 for seed in seeds for s in unique.values()]
+
+
+def auto_dynamics_sets(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: CompareOptions) -> list[LayerSet]:
+  """`compare.budget_sets=auto`: the baseline, the three distinct sets of highest and the two of lowest mean
+  held-out sim τ at budget 1x (the issue's dynamics), in that order."""
+  means = {r["name"]: r["metrics"]["sim_tau"]["mean"] for r in summary["rows"]}
+  baseline = next(s for s in sets if s.name == cmp.baseline)
+  distinct: dict[str, LayerSet] = {}
+  for s in sorted((s for s in sets if np.isfinite(means.get(s.name, np.nan))), key=lambda s: -means[s.name]):
+    if s.key != baseline.key:
+      distinct.setdefault(s.key, s)
+  ranked = list(distinct.values())
+  return [baseline, *ranked[:3], *ranked[3:][-2:]]
+
+
+def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target, prompts, settings, workdir) -> None:
+  """Trains and evaluates each (set, seed, budget) cell not yet finished into `by_budget`; reads back the
+  finished ones (refusing a cell of another recipe)."""
+  done_here = 0
+  for i, (s, seed, budget) in enumerate(cells):
+    results = by_budget.setdefault(budget, {})
+    cell_dir = _cell_dir(workdir, s, seed, budget)
+    path = os.path.join(cell_dir, "result.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        result = json.load(f)
+      want = recipe_key(cell_recipe(recipe, seed, budget))
+      if result.get("recipe") != want:
+        raise ValueError(f"Cell {cell_dir} was trained with another recipe (key {result.get('recipe')}, this "
+                         f"sweep's is {want}): every cell must share the sweep's budget, data and order. Delete "
+                         "that cell's folder to retrain it, or use a new --workdir.")
+      results[(s.key, seed)] = result
+      continue
+    if cmp.report_only:
+      continue
+    remaining = len(cells) - i
+    eta = ((time.perf_counter() - started) / done_here * remaining) if done_here else float("nan")
+    logging.info("Cell %d/%d: %s %s seed %d budget %s — training (ETA of these cells %.0f min)",
+                 offset + i + 1, offset + len(cells), s.name, list(s.ids), seed, budget_key(budget), eta / 60)
+    tic = time.perf_counter()
+    layers = layer_ids.LayerSelection(ids=s.ids, num_layers=record.num_layers,
+                                      hidden_size=record.hidden_size, strategy=s.name)
+    train = loop.train(target, layers, cell_recipe(recipe, seed, budget), cell_dir)
+    train_seconds = time.perf_counter() - tic
+    logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", offset + i + 1, offset + len(cells),
+                 s.name, seed, ", ".join(prompts))
+    draft = restore.load_draft(cell_dir, target)
+    evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
+    result = {"ids": list(s.ids), "seed": seed, "budget": budget,
+              "recipe": recipe_key(cell_recipe(recipe, seed, budget)), "train": train,
+              "train_seconds": train_seconds, "eval": evaluation,
+              "eval_seconds": time.perf_counter() - tic - train_seconds}
+    atomic.write_json(path, result)
+    if not cmp.keep_checkpoints:
+      shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
+    results[(s.key, seed)] = result
+    done_here += 1
+    t0 = temperature_key(cmp.temperatures[0])
+    logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", offset + i + 1,
+                 offset + len(cells), s.name, seed, t0, evaluation[f"{t0}/all"]["tau"],
+                 train.get("heldout_sim_tau", float("nan")), time.perf_counter() - tic)
+
+
 def run(config, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) the comparison in `workdir`; returns the summary (also written as JSON/markdown)."""
   if not workdir:
@@ -491,52 +557,22 @@ def run(config, workdir: str) -> dict[str, Any]:
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
   # Then the dynamics: the budget sets again at each of compare.budgets.
+  # With compare.budget_sets=auto the dynamics sets are chosen once every 1x cell has finished.
   cells = [(s, seed, 1.0) for seed in seeds for s in unique.values()]
-  dynamic_unique = {s.key: s for s in dynamics}
-  cells += [(s, seed, b) for b in cmp.budgets if b != 1.0 for seed in seeds for s in dynamic_unique.values()]
+  cells += _dynamics_cells(dynamics, cmp, seeds)
   by_budget: dict[float, dict[tuple[str, int], dict]] = {1.0: {}}
   started, done_here = time.perf_counter(), 0
-  for i, (s, seed, budget) in enumerate(cells):
-    results = by_budget.setdefault(budget, {})
-    cell_dir = _cell_dir(workdir, s, seed, budget)
-    path = os.path.join(cell_dir, "result.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        result = json.load(f)
-      want = recipe_key(cell_recipe(recipe, seed, budget))
-      if result.get("recipe") != want:
-        raise ValueError(f"Cell {cell_dir} was trained with another recipe (key {result.get('recipe')}, this "
-                         f"sweep's is {want}): every cell must share the sweep's budget, data and order. Delete "
-                         "that cell's folder to retrain it, or use a new --workdir.")
-      results[(s.key, seed)] = result
-      continue
-    if cmp.report_only:
-      continue
-    remaining = len(cells) - i
-    eta = ((time.perf_counter() - started) / done_here * remaining) if done_here else float("nan")
-    logging.info("Cell %d/%d: %s %s seed %d budget %s — training (ETA of the comparison %.0f min)", i + 1,
-                 len(cells), s.name, list(s.ids), seed, budget_key(budget), eta / 60)
-    tic = time.perf_counter()
-    layers = layer_ids.LayerSelection(ids=s.ids, num_layers=record.num_layers,
-                                      hidden_size=record.hidden_size, strategy=s.name)
-    train = loop.train(target, layers, cell_recipe(recipe, seed, budget), cell_dir)
-    train_seconds = time.perf_counter() - tic
-    logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", i + 1, len(cells), s.name, seed,
-                 ", ".join(prompts))
-    draft = restore.load_draft(cell_dir, target)
-    evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
-    result = {"ids": list(s.ids), "seed": seed, "budget": budget,
-              "recipe": recipe_key(cell_recipe(recipe, seed, budget)), "train": train, "train_seconds": train_seconds,
-              "eval": evaluation, "eval_seconds": time.perf_counter() - tic - train_seconds}
-    atomic.write_json(path, result)
-    if not cmp.keep_checkpoints:
-      shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
-    results[(s.key, seed)] = result
-    done_here += 1
-    t0 = temperature_key(cmp.temperatures[0])
-    logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", i + 1, len(cells), s.name,
-                 seed, t0, evaluation[f"{t0}/all"]["tau"], train.get("heldout_sim_tau", float("nan")),
-                 time.perf_counter() - tic)
+  _train_cells(cells, by_budget, started, 0, cmp, recipe, record, target, prompts, settings, workdir)
+  if cmp.budgets and tuple(cmp.budget_sets) == ("auto",):
+    if len(by_budget[1.0]) == len(unique) * len(seeds):
+      dynamics = auto_dynamics_sets(sets, summarize(sets, by_budget[1.0], seeds, cmp, prompts), cmp)
+      logging.info("Dynamics (compare.budget_sets=auto): %s at budgets %s", ", ".join(d.name for d in dynamics),
+                   ", ".join(budget_key(b) for b in cmp.budgets))
+      _train_cells(_dynamics_cells(dynamics, cmp, seeds), by_budget, time.perf_counter(), len(cells), cmp, recipe,
+                   record, target, prompts, settings, workdir)
+    else:
+      logging.info("Dynamics (compare.budget_sets=auto): chosen once every 1x cell has finished (%d of %d).",
+                   len(by_budget[1.0]), len(unique) * len(seeds))
   predictors = {s.name: set_predictors(record, s.ids) for s in sets}
   if cmp.probe_tokens:
     probes = probe_scores(recipe, sets, cmp, workdir)

@@ -281,6 +281,22 @@ def test_predictors_by_hand_and_their_spearman():
   assert "Strongest candidate against sim τ" in table
 
 
+def test_auto_dynamics_are_the_baseline_the_three_best_and_the_two_worst():
+  cfg = _compare(sets="eagle3,exhaustive,entropy,greedy", lams="0.5", num_random=3, manual="1,2,3;9,10,11",
+                 seeds=1, budgets="0.25,4", budget_sets="auto")
+  sets = compare.layer_sets(_record(), cfg)
+  assert compare.dynamics_sets(sets, cfg) == []  # chosen only once the 1x cells are done
+  distinct = list({s.key: s for s in sets}.values())
+  sim = {s.key: 1.0 + 0.01 * i for i, s in enumerate(distinct)}
+  results = {(s.key, 0): _result(1.5, 1.2, sim[s.key]) for s in distinct}
+  summary = compare.summarize(sets, results, [0], cfg, {"mtbench": None})
+  got = compare.auto_dynamics_sets(sets, summary, cfg)
+  base = next(s for s in sets if s.name == "eagle3")
+  others = sorted((s for s in distinct if s.key != base.key), key=lambda s: -sim[s.key])
+  assert len(others) >= 5
+  assert [s.key for s in got] == [base.key] + [s.key for s in others[:3]] + [s.key for s in others[-2:]]
+
+
 def test_paired_bootstrap_resamples_prompts_as_a_plain_loop_does():
   rng = np.random.default_rng(3)
   calls = rng.integers(5, 30, size=40)
