@@ -9,8 +9,10 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import ml_collections
 import numpy as np
@@ -448,6 +450,53 @@ def test_evaluate_draft_pairs_plain_and_speculative_calls(monkeypatch):
   untimed = compare.evaluate_draft(None, None, prompts, settings, [0.0], 0, speedup=False)
   assert {n for n, _ in log} == {"spec"} and len(log) == 3 and "speedup" not in untimed["T0/all"]
   assert untimed["T0/all"]["tau"] == pooled["tau"]
+
+
+def test_finalists_decode_once_and_only_what_is_new(monkeypatch, tmp_path):
+  log = []
+
+  def spec(target, draft, ids, max_new_tokens, **kw):
+    log.append((draft, kw["temperature"], len(ids)))
+    lengths = [[2, 1] if draft == "L1-2-3" else [0, 0] for _ in ids]  # the first finalist accepts more
+    hist = [sum(r.count(m) for r in lengths) for m in range(4)]
+    return [[7] * 3 for _ in ids], {"accept_length_hist": hist, "tau": 1.0, "verify_calls": 2 * len(ids),
+                                    "accept_lengths": lengths}
+
+  monkeypatch.setattr(evaluate, "speculative_generate", spec)
+  monkeypatch.setattr(compare.restore, "load_draft", lambda cell_dir, target: os.path.basename(
+      os.path.dirname(cell_dir)))
+  monkeypatch.setattr(compare, "eval_prompts", lambda cmp, tokenizer, chat_format: {
+      "mtbench": [[1] * (i + 1) for i in range(cmp.num_prompts)]})
+  cfg = _compare(sets="eagle3", lams="", num_random=0, manual="1,2,3", seeds=1, finalists=1, finalist_prompts=3,
+                 temperatures="0")
+  sets = compare.layer_sets(_record(), cfg)
+  results = {(s.key, 0): _result(1.5, 1.2, 2.0 if s.name == "manual-0" else 1.0) for s in sets}
+  summary = compare.summarize(sets, results, [0], cfg, {"mtbench": None})
+  for s in sets:
+    os.makedirs(tmp_path / "cells" / s.key / "seed0" / "checkpoints")
+  settings = evaluate.DecodeSettings.from_config(_config().speculate, max_new_tokens=3, prompt_width=3)
+
+  def run(c):
+    return compare.run_finalists(SimpleNamespace(tokenizer=None), sets, results, summary, c, settings, "template",
+                                 str(tmp_path))
+
+  out = run(cfg)
+  assert [r["name"] for r in out["rows"]] == ["manual-0", "eagle3"] and len(log) == 4  # 2 drafts x 2 batches
+  d = out["rows"][0]["vs_baseline"]["T0/all"]
+  assert d["delta"] == pytest.approx(2.5 - 1.0) and d["prompts"] == 3
+  log.clear()
+  assert run(cfg)["rows"] == out["rows"] and log == []  # kept: nothing decodes again
+  both = run(dataclasses.replace(cfg, finalist_temperatures=(0.0, 1.0)))
+  assert {t for _, t, _ in log} == {1.0} and "T1/all" in both["rows"][0]["tau"]  # only the new temperature
+  log.clear()
+  run(dataclasses.replace(cfg, finalist_prompts=4))
+  assert sum(n for _, _, n in log) == 2 * 4  # other prompts: decoded anew
+  with pytest.raises(ValueError, match="needs their checkpoints"):
+    dataclasses.replace(cfg, keep_checkpoints=False)
+  shutil.rmtree(tmp_path / "finalists")
+  shutil.rmtree(tmp_path / "cells" / "L1-2-3" / "seed0" / "checkpoints")
+  with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+    run(cfg)
 
 
 def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_path):
