@@ -222,6 +222,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # comparisons: fit on train.features' train split, scored on its heldout split), tested as a predictor of τ.
   c.compare.probe_tokens = 0
   c.compare.probe_vocab = 1024  # probe classes: the most frequent next tokens
+  c.compare.sort_by = "tau"  # results.md's row order: "tau" (first temperature) or "sim_tau" (held-out sim τ)
 
   if arg == "smoke":
     c.data.max_length = 128
@@ -343,6 +344,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.compare.probe_tokens = 20000
     c.compare.budgets = (0.25, 4.0)
     c.compare.budget_sets = ("auto",)
+    c.compare.sort_by = "sim_tau"  # the primary metric
   elif arg:
     raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe', "
                      "':paper' or nothing.")

@@ -66,7 +66,7 @@ SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
              "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds",
-             "finalist_temperatures", "probe_tokens", "probe_vocab")
+             "finalist_temperatures", "probe_tokens", "probe_vocab", "sort_by")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -132,6 +132,7 @@ class CompareOptions:
   finalist_temperatures: tuple[float, ...] = ()
   probe_tokens: int = 0
   probe_vocab: int = 1024
+  sort_by: str = "tau"
 
   def __post_init__(self):
     if self.ablation_strategy not in ("greedy", "exhaustive"):
@@ -162,6 +163,9 @@ class CompareOptions:
     if any(t < 0 for t in self.finalist_temperatures):
       raise ValueError(f"compare.finalist_temperatures must be >= 0 (empty: compare.temperatures), got "
                        f"{self.finalist_temperatures!r}.")
+    if self.sort_by not in ("tau", "sim_tau"):
+      raise ValueError(f"compare.sort_by must be 'tau' (the first temperature's speculative τ) or 'sim_tau' "
+                       f"(held-out simulated τ), got {self.sort_by!r}.")
     if self.probe_tokens < 0 or self.probe_vocab < 2:
       raise ValueError(f"compare.probe_tokens must be >= 0 (0: no probe) and compare.probe_vocab >= 2; got "
                        f"{self.probe_tokens} and {self.probe_vocab}.")
@@ -581,6 +585,8 @@ def run(config, workdir: str) -> dict[str, Any]:
       predictors[s.name]["linear probe of the next token (mean over its layers)"] = float(
           np.mean([probes["layers"][str(i)] for i in s.ids]))
   summary = summarize(sets, by_budget[1.0], seeds, cmp, prompts, predictors=predictors)
+  if cmp.sort_by == "sim_tau":
+    summary["sort_by"] = "sim_tau"
   if cmp.finalists:
     summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings,
                                          str(config.data.chat_format), workdir)

@@ -188,7 +188,7 @@ def _fmt_speedup(metrics: dict, name: str) -> str:
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-  """The comparison as markdown: one row per set, sorted by the primary τ."""
+  """The comparison as markdown: one row per set, sorted by the primary τ (or by `summary["sort_by"]`)."""
   primary = summary["primary"]
   temps = sorted({m.split("/")[0] for m in summary["metrics"] if "/" in m and ":" not in m})
   datasets = [m.split("/")[1] for m in summary["metrics"]
@@ -198,13 +198,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
   equal = [m for m in summary["metrics"] if m.startswith("equal_to_ar:")]
   head = (["set", "layers", "seeds", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
           + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
-          + ["held-out sim τ"] + [m.replace("speedup:", "speedup ") for m in speed]
+          + ["held-out sim τ", f"Δ sim τ vs {summary['baseline']}"] + [m.replace("speedup:", "speedup ") for m in speed]
           + ["greedy = plain decoding" for _ in equal])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   first_with_ids = {}
   for r in summary["rows"]:  # in config order: later sets with the same ids share the first one's cells
     first_with_ids.setdefault(tuple(r["ids"]), r["name"])
-  rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
+  order = summary.get("sort_by", primary)  # `compare.sort_by`: the primary τ, or sim_tau
+  rows = sorted(summary["rows"], key=lambda r: -np.nan_to_num(r["metrics"][order]["mean"], nan=-1e9))
   for r in rows:
     is_base = r["name"] == summary["baseline"]
     name = f"**{r['name']}**" if is_base else r["name"]
@@ -214,7 +215,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
              _fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
     cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
     cells += [_fmt(r["metrics"][m]) for m in others]
-    cells += [_fmt(r["metrics"]["sim_tau"])]
+    cells += [_fmt(r["metrics"]["sim_tau"]),
+              "(baseline)" if is_base else _fmt(r["vs_baseline"]["sim_tau"], True)]
     cells += [_fmt_speedup(r["metrics"], m) for m in speed]
     cells += [f"{r['metrics'][m]['mean']:.0%}" if r["metrics"][m]["n"] else "–" for m in equal]
     lines.append("| " + " | ".join(cells) + " |")

@@ -241,7 +241,15 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
     assert rows[name]["metrics"]["T0/all"]["mean"] == pytest.approx(tau[s.key] + 0.01)
     assert rows[name]["acceptance"] == pytest.approx([0.5, 0.2])
   table = compare.markdown_table(summary)
-  assert "(baseline)" in table and "ρ = +1.00" in table and "τ T1/all" in table
+  assert "(baseline)" in table and "ρ = +1.00" in table and "τ T1/all" in table and "Δ sim τ vs eagle3" in table
+  # Sorted by held-out sim τ instead: the first row is the set of highest sim τ.
+  first_ids = lambda t: [l for l in t.splitlines() if l.startswith("| ")][1].split("|")[2].strip()  # noqa: E731
+  flipped = json.loads(json.dumps(summary))  # sim τ ordered against τ, so the two sorts disagree
+  for r in flipped["rows"]:
+    r["metrics"]["sim_tau"]["mean"] = -r["metrics"]["T0/all"]["mean"]
+  best_sim = max(flipped["rows"], key=lambda r: r["metrics"]["sim_tau"]["mean"])["ids"]
+  assert first_ids(compare.markdown_table(dict(flipped, sort_by="sim_tau"))) == ",".join(map(str, best_sim))
+  assert first_ids(compare.markdown_table(flipped)) != ",".join(map(str, best_sim))
   lines = [l for l in table.splitlines() if l.startswith("| ")][1:]
   assert lines[0].split("|")[1].strip().strip("*") == order[-1].name or tau[order[-1].key] == max(tau.values())
   # A partial run: one seed missing for one set.
