@@ -617,3 +617,49 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   bad = subprocess.run(base + ["--config.train.lr=0.123"], cwd=ROOT, timeout=600, capture_output=True, text=True)
   assert bad.returncode != 0 and "holds comparison results of a different config" in bad.stderr
   assert "train.lr" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, tmp_path):
+  """`make paper-store paper-compare`'s commands with :paper, on the tiny target and its sizes: both stores,
+  every k, the probes, the finalists and the automatic dynamics in one unattended run."""
+  common = ["--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":paper",
+            "--config.model=" + tiny_chat_target_dir, "--config.data.source=sharegpt", "--config.data.max_length=64",
+            "--config.data.max_records=60", "--config.data.heldout_fraction=0.2", "--config.features.batch_size=4",
+            "--config.features.shard_sequences=8"]
+  extract = [sys.executable, os.path.join(ROOT, "experiments", "extract_features.py")] + common
+  store, heldout = str(tmp_path / "features"), str(tmp_path / "heldout32")
+  subprocess.run(extract + ["--config.features.dir=" + store], check=True, cwd=ROOT, timeout=900)
+  subprocess.run(extract + ["--config.features.dir=" + heldout, "--config.features.splits=heldout",
+                            "--config.features.dtype=float32"], check=True, cwd=ROOT, timeout=900)
+  workdir = str(tmp_path / "compare")
+  sizes = ["--config.analysis.batch_size=4", "--config.analysis.num_batches=4", "--config.analysis.max_tokens=0",
+           "--config.analysis.calibration_batches=1", "--config.analysis.hsic_batch_size=64",
+           "--config.analysis.exact_cka_tokens=256", "--config.train.batch_size=2", "--config.train.num_steps=4",
+           "--config.train.warmup_steps=1", "--config.train.vocab_examples=0", "--config.draft_model.vocab_size=256",
+           "--config.compare.sets=eagle3,exhaustive,cka_only", "--config.compare.lams=", "--config.compare.num_random=1",
+           "--config.compare.manual=1,2,3;5,6,7", "--config.compare.ks=1,4", "--config.compare.seeds=2",
+           "--config.compare.datasets=mtbench", "--config.compare.num_prompts=1", "--config.compare.max_new_tokens=8",
+           "--config.compare.finalists=1", "--config.compare.finalist_prompts=2", "--config.compare.probe_tokens=200",
+           "--config.compare.probe_vocab=8"]
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py")] + common + sizes + [
+      "--config.train.features=" + store, "--config.train.eval_features=" + heldout, "--workdir=" + workdir]
+  subprocess.run(cmd, check=True, cwd=ROOT, timeout=3000)
+  with open(os.path.join(workdir, "results.json")) as f:
+    summary = json.load(f)
+  rows = {r["name"]: r for r in summary["rows"]}
+  assert {"eagle3", "exhaustive", "cka_only", "random-0", "manual-0", "manual-1", "last", "exhaustive-k4",
+          "even-k4"} <= set(rows) and rows["last"]["ids"] == [8]
+  assert all(r["metrics"]["sim_tau"]["n"] == 2 for r in rows.values())
+  assert summary["sort_by"] == "sim_tau" and summary["spearman_objective"]["sim_tau"]["k"] == 3
+  assert any(name.startswith("linear probe") for name in summary["spearman_predictors"])
+  assert [r["name"] for r in summary["finalists"]["rows"]][-1] == "eagle3"
+  assert summary["finalists"]["temperatures"] == ["T0", "T1"]
+  dynamics = summary["dynamics"]
+  assert list(dynamics) == ["x0.25", "x1", "x4"] and dynamics["x4"]["num_steps"] == 16
+  assert dynamics["x1"]["rows"][0]["name"] == "eagle3" and len(dynamics["x1"]["rows"]) == 6
+  assert all(r["sim_tau"]["n"] == 2 for b in dynamics.values() for r in b["rows"])
+  with open(os.path.join(workdir, "results.md")) as f:
+    md = f.read()
+  assert "What predicts τ" in md and "Finalists:" in md and "Dynamics:" in md
+  assert os.path.exists(os.path.join(workdir, "plots", "sim_tau.png"))

@@ -101,7 +101,8 @@ def load_data(data: DataOptions, target: Target):
 
 def load_store(path: str, data: DataOptions, target: Target, record: layer_ids.LayerSelection,
                target_dtype: str, own_data: bool = False):
-  """Opens and checks a feature store for this run; returns (store, train split, held-out split or None).
+  """Opens and checks a feature store for this run; returns (store, train split or None, held-out split or None)
+  (a store of only a held-out split serves `train.eval_features`).
 
   Args:
     path, data, target, record, target_dtype: the store and what this run trains.
@@ -121,7 +122,8 @@ def load_store(path: str, data: DataOptions, target: Target, record: layer_ids.L
       tokenizer_fingerprint=data_lib.tokenizer_fingerprint(target.tokenizer), layer_ids=record.ids,
       data=data_dict)
   heldout = store.split("heldout", data.max_length) if store.counts("heldout")[0] else None
-  return store, store.split("train", data.max_length), heldout
+  train = store.split("train", data.max_length) if store.counts("train")[0] else None
+  return store, train, heldout
 
 
 def target_head(target: Target) -> jax.Array:
@@ -275,6 +277,11 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   store = None
   if t.features:
     store, train_source, heldout = load_store(t.features, data, target, record, dtype)
+    if train_source is None:
+      raise features_lib.StoreError(
+          f"train.features={t.features} has no 'train' sequences (it holds {sorted(store.splits)}): train on a "
+          "store extracted with --config.features.splits=train,heldout; a held-out-only store serves "
+          "train.eval_features.")
     dataset_name = store.header["dataset"]
     if t.eval_features:
       _, _, heldout = load_store(t.eval_features, data, target, record, dtype, own_data=True)

@@ -77,6 +77,24 @@ def test_evaluation_reads_the_other_store_and_training_is_unchanged(stores, tiny
   assert cross["heldout_sim_tau"] == pytest.approx(float(losses.simulated_tau(hits / np.maximum(tokens, 1))))
 
 
+def test_a_heldout_only_float32_store_evaluates_and_cannot_train(stores, tiny_chat_target_dir, tmp_path):
+  """make paper-store's second store: the run's own held-out split in float32 (as at inference), no train split."""
+  target, train_store, _ = stores
+  base = tiny_config(tiny_chat_target_dir)
+  own = DataOptions(**{k: base.data[k] for k in ("source", "max_length", "max_records", "heldout_fraction",
+                                                 "split_seed")})
+  heldout32 = str(tmp_path / "heldout32")
+  features.extract(target, own.build(target.tokenizer), heldout32, depths=LAYERS, dtype="float32", batch_size=4,
+                   shard_sequences=8, data=dataclasses.asdict(own), splits=("heldout",))
+  assert features.open_store(heldout32).counts("train") == (0, 0)
+  result = loop.run(tiny_config(tiny_chat_target_dir, features=train_store, eval_features=heldout32),
+                    str(tmp_path / "run"))
+  assert result["step"] == 4 and result["heldout_positions"] > 0
+  with pytest.raises(features.StoreError, match=r"has no 'train' sequences .* a held-out-only store serves "
+                                                r"train\.eval_features"):
+    loop.run(tiny_config(tiny_chat_target_dir, features=heldout32), str(tmp_path / "bad"))
+
+
 def test_eval_features_needs_a_training_store(tiny_chat_target_dir, tmp_path, stores):
   _, _, other = stores
   with pytest.raises(ValueError, match="train.eval_features evaluates offline; it needs train.features"):
