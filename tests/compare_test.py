@@ -637,6 +637,7 @@ def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, t
            "--config.analysis.calibration_batches=1", "--config.analysis.hsic_batch_size=64",
            "--config.analysis.exact_cka_tokens=256", "--config.train.batch_size=2", "--config.train.num_steps=4",
            "--config.train.warmup_steps=1", "--config.train.vocab_examples=0", "--config.draft_model.vocab_size=256",
+           "--config.train.bucket_widths=16,32",
            "--config.compare.sets=eagle3,exhaustive,cka_only", "--config.compare.lams=", "--config.compare.num_random=1",
            "--config.compare.manual=1,2,3;5,6,7", "--config.compare.ks=1,4", "--config.compare.seeds=2",
            "--config.compare.datasets=mtbench", "--config.compare.num_prompts=1", "--config.compare.max_new_tokens=8",

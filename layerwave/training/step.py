@@ -80,9 +80,11 @@ class OptimizerSettings:
 
   def build(self) -> optax.GradientTransformation:
     """The optax transformation (a new object per call; its state's structure is always the same)."""
+    warmup = max(int(self.warmup_steps), 1)
+    # At least one decay step after the warm-up (optax refuses none): a 1-step run (e.g. a ¼× dynamics cell of a
+    # short budget) warms up in its one step.
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=self.lr, warmup_steps=max(int(self.warmup_steps), 1),
-        decay_steps=max(int(self.total_steps), int(self.warmup_steps) + 1),
+        init_value=0.0, peak_value=self.lr, warmup_steps=warmup, decay_steps=max(int(self.total_steps), warmup + 1),
         end_value=self.lr * self.end_lr_fraction)
     tx = optax.chain(optax.clip_by_global_norm(self.clip_norm),
                      optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay))

@@ -4,6 +4,7 @@ import dataclasses
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -141,3 +142,14 @@ def test_bfloat16_compute_keeps_float32_state_and_follows_the_float32_step(tmp_p
 def test_an_unknown_compute_dtype_is_refused():
   with pytest.raises(ValueError, match=r"train.compute_dtype must be one of \['float32', 'bfloat16'\].*float32"):
     TrainOptions(batch_size=8, num_steps=10, compute_dtype="float16")
+
+
+@pytest.mark.parametrize("warmup, total", [(0, 1), (1, 1), (5, 3)])
+def test_a_run_no_longer_than_its_warmup_still_builds_its_schedule(warmup, total):
+  """A ¼× dynamics cell of a short budget has 1 step: the schedule must build and give finite updates."""
+  tx = step_lib.OptimizerSettings(3e-3, warmup, total).build()
+  params = {"w": jnp.ones((3,))}
+  state = tx.init(params)
+  for _ in range(total + 1):
+    updates, state = tx.update({"w": jnp.full((3,), 0.5)}, state, params)
+    assert np.all(np.isfinite(np.asarray(updates["w"])))
