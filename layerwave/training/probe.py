@@ -10,6 +10,8 @@ features of its layers onto the one-hot of the `vocab` most frequent next tokens
 
 a closed form, computed on device in float32; its accuracy on the held-out split is the set's score. A layer's
 own probe is the same with k = 1.
+
+Legend (`layerwave.axes`): n kept tokens, D target width, k selected layers.
 """
 
 from __future__ import annotations
