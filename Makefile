@@ -68,7 +68,9 @@ campaign-distill: setup
 	$(MAKE) release-answers
 
 release-answers: setup
-	$(PY) -m layerwave.data.release pack $(CAMPAIGN)/distilled $(ANSWERS_RELEASE)
+	$(PY) -m layerwave.data.release pack $(CAMPAIGN)/distilled $(ANSWERS_RELEASE) \
+	    "--made-by=make campaign-distill (python experiments/distill.py $(CAMPAIGN_RECIPE) \
+	--workdir=$(CAMPAIGN)/distilled --config.distill.num_prompts=$(CAMPAIGN_PROMPTS))"
 
 # Stages 2-3: features of [2, 15, 27] extracted once from the distilled answers, then the baseline draft trained
 # offline with make baseline's recipe for CAMPAIGN_STEPS (the schedule's length: fixed for the run, resumable;

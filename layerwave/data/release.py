@@ -217,11 +217,14 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) != 4 or argv[1] not in ("pack", "unpack", "verify"):
-    raise SystemExit("usage: python -m layerwave.data.release pack WORKDIR RELEASE_DIR | unpack RELEASE_DIR WORKDIR"
-                     " | verify RELEASE_DIR -")
+  made_by = [a.split("=", 1)[1] for a in argv[4:] if a.startswith("--made-by=")]
+  if (len(argv) - len(made_by) != 4 or argv[1] not in ("pack", "unpack", "verify")
+      or (made_by and argv[1] != "pack")):
+    raise SystemExit("usage: python -m layerwave.data.release pack WORKDIR RELEASE_DIR [--made-by=COMMAND ...] | "
+                     "unpack RELEASE_DIR WORKDIR | verify RELEASE_DIR -")
   if argv[1] == "pack":
-    m = pack(argv[2], argv[3], commands=[" ".join(["python -m layerwave.data.release"] + argv[1:])])
+    # The manifest's commands: what made the answers (--made-by, e.g. `make campaign-distill`), then this pack.
+    m = pack(argv[2], argv[3], commands=made_by + [" ".join(["python -m layerwave.data.release"] + argv[1:4])])
   elif argv[1] == "unpack":
     m = unpack(argv[2], argv[3])
   else:

@@ -599,6 +599,13 @@ def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, 
     body = json.load(f)
   assert set(body["records"][0]) == {"index", "id", "answers"}
   assert release.pack(workdir, out)["sha256"] == packed["sha256"]  # packing again changes nothing
+  # The command line records what made the answers, then the pack itself.
+  release.main(["release", "pack", workdir, out, "--made-by=make campaign-distill (python experiments/distill.py)"])
+  with open(os.path.join(out, "manifest.json")) as f:
+    assert json.load(f)["commands"] == ["make campaign-distill (python experiments/distill.py)",
+                                        f"python -m layerwave.data.release pack {workdir} {out}"]
+  with pytest.raises(SystemExit, match="usage"):
+    release.main(["release", "unpack", out, workdir, "--made-by=x"])
 
   rebuilt = str(tmp_path / "rebuilt")
   release.unpack(out, rebuilt, target=target, records=records)
