@@ -100,16 +100,17 @@ release-draft: setup
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
-# the analysis on them (and on ShareGPT, to see whether the wave moves with the text); one store of every depth
-# of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32; then every layer set x
-# 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
+# the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
+# store of every depth of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32;
+# then every layer set x 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
 # (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides).
 PAPER ?= out/paper
 PAPER_FLAGS ?=
 PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=distilled:$(CAMPAIGN)/distilled
 paper-analysis: setup
 	$(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
-	$(PY) experiments/analyze.py --config=configs/smollm2_135m.py --workdir=$(PAPER)/analysis-sharegpt
+	$(PY) experiments/analyze.py --config=configs/smollm2_135m.py:paper --config.data.source=sharegpt \
+	    --workdir=$(PAPER)/analysis-sharegpt
 	$(PY) experiments/compare_waves.py --a=$(PAPER)/analysis --b=$(PAPER)/analysis-sharegpt \
 	    --names=distilled,sharegpt --out=$(PAPER)/waves
 
