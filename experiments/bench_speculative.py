@@ -8,6 +8,12 @@ tok/s ÷ AR tok/s, with the pairs' [p25, p75]. Compilation is excluded (each sha
 Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHMARKS.md). The evaluation is
 `layerwave.speculative.evaluate`'s, as in experiments/speculate.py.
 
+Resumable: each finished row (dataset, temperature, method) is kept in `W/rows/` at once, and a rerun with the
+same settings into the same workdir decodes only the rows still missing (an evaluation of all 240 prompts
+spans hours on a CPU). Settings that change what a row measures (the config, --paired, a dataset's prompt
+count) are recorded in `W/bench_settings.json`; a rerun with others is refused, naming them. Adding datasets,
+temperatures or methods to a workdir is fine.
+
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
   python experiments/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
       --workdir=out/bench --datasets=gsm8k --methods=chain3,tree --temperatures=0
@@ -16,6 +22,7 @@ Writes `W/bench_speculative.json` and prints a markdown table (paste into BENCHM
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 
@@ -25,6 +32,7 @@ from ml_collections import config_flags
 
 from layerwave import atomic
 from layerwave import layer_ids
+from layerwave import options
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate
 
@@ -41,6 +49,15 @@ _PAIRED = flags.DEFINE_boolean("paired", True, "Decode every batch with plain de
                                "time: for all prompts, with the speedup measured on a subset).")
 
 
+def _settings(config) -> dict:
+  """What a row's numbers depend on besides its (dataset, count, temperature, method)."""
+  return {"config": json.loads(json.dumps(config.to_dict(), default=str)), "paired": bool(_PAIRED.value)}
+
+
+def _row_path(workdir: str, dataset: str, count: int, temp: float, method: str) -> str:
+  return os.path.join(workdir, "rows", f"{dataset}-n{count}-T{temp:g}-{method}.json")
+
+
 def main(argv):
   del argv
   if not _WORKDIR.value:
@@ -52,20 +69,33 @@ def main(argv):
   draft = evaluate.load_draft(config.draft, target, layer_ids.parse_layer_ids(config.get("layers", ())),
                               int(config.draft_model.vocab_size), int(config.seed))
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
+  # After the target and the draft loaded (a bad path records nothing): rows of other settings are refused.
+  options.record_settings(os.path.join(_WORKDIR.value, "bench_settings.json"), _settings(config),
+                          "benchmark rows")
   results = []
   for dataset in _DATASETS.value:
-    items = evaluate.chat_prompts(target.tokenizer, dataset, counts.get(dataset, int(s.num_prompts)),
-                                  chat_format=str(config.data.chat_format))
+    count = counts.get(dataset, int(s.num_prompts))
+    items = None
     for temp in (float(t) for t in _TEMPS.value):
       for method in _METHODS.value:
+        if method != "auto" and method != "tree" and not (
+            method.startswith("chain") and method.removeprefix("chain").isdigit()):
+          raise app.UsageError(f"--methods: {method!r} is not chainK, tree or auto.")
+        path = _row_path(_WORKDIR.value, dataset, count, temp, method)
+        if os.path.exists(path):
+          with open(path) as f:
+            summary = json.load(f)
+          results.append(summary)
+          print(f"{dataset} T={temp:g} {method}: kept from {path}", flush=True)
+          continue
+        if items is None:
+          items = evaluate.chat_prompts(target.tokenizer, dataset, count, chat_format=str(config.data.chat_format))
         settings = dataclasses.replace(base, temperature=temp, auto=method == "auto")
         if method == "tree":
           settings = dataclasses.replace(settings, spec=dataclasses.replace(base.spec, method="tree"))
         elif method.startswith("chain"):
           settings = dataclasses.replace(settings, spec=dataclasses.replace(
               base.spec, method="chain", num_draft_tokens=int(method.removeprefix("chain"))))
-        elif method != "auto":
-          raise app.UsageError(f"--methods: {method!r} is not chainK, tree or auto.")
         ev = evaluate.evaluate(target, draft, [p for _, p in items], settings, int(config.seed),
                                paired=_PAIRED.value)
         summary = evaluate.summary(ev)
@@ -73,6 +103,7 @@ def main(argv):
                        name=f"auto: {summary['setting']}" if method == "auto" else method)
         if ev.tuning is not None:
           print(ev.tuning.table(), flush=True)
+        atomic.write_json(path, summary, default=str)
         results.append(summary)
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s" + (

@@ -335,23 +335,15 @@ def fingerprint(config) -> tuple[str, dict]:
 def check_workdir(workdir: str, config) -> None:
   """Records the config in `W/compare.json`, or refuses a workdir written under a different one (naming the
   fields that differ)."""
-  value, d = fingerprint(config)
+  _, d = fingerprint(config)
   path = os.path.join(workdir, "compare.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      old = json.load(f)
-    if old.get("fingerprint") == value:
-      return
-    raise ValueError(f"{workdir} holds comparison results of a different config (fingerprint "
-                     f"{old.get('fingerprint')} vs {value}; differing fields: "
-                     f"{options_lib.differing_fields(old.get('settings', {}), d)}). Resume with the same config "
-                     "or use a new --workdir.")
   cells = os.path.join(workdir, "cells")
-  if os.path.isdir(cells) and any("result.json" in files for _, _, files in os.walk(cells)):
+  if not os.path.exists(path) and os.path.isdir(cells) and any(
+      "result.json" in files for _, _, files in os.walk(cells)):
     raise ValueError(f"{workdir} holds finished cells but no compare.json: a comparison of an older layerwave "
                      "(e.g. the 61k-token sweep), whose budget and settings cannot be checked against this "
                      "config. Use a new --workdir.")
-  atomic.write_json(path, {"fingerprint": value, "settings": d})
+  options_lib.record_settings(path, d, "comparison results")
 
 
 def recipe_key(recipe: Recipe) -> str:

@@ -20,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["convert", "differing_fields", "fingerprint", "from_section"]
+from layerwave import atomic
+
+__all__ = ["convert", "differing_fields", "fingerprint", "from_section", "record_settings"]
 
 # What each tuple kind looks like, for errors.
 _EXAMPLES = {int: "comma-separated integers like 2,15,27 (or a tuple (2, 15, 27))",
@@ -153,6 +156,27 @@ def differing_fields(recorded: Mapping[str, Any], current: Mapping[str, Any], li
   norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
   diff = [k for k in sorted(set(a) | set(b)) if norm(a.get(k)) != norm(b.get(k))]
   return ", ".join(diff[:limit]) + (" ..." if len(diff) > limit else "") if diff else "none recorded"
+
+
+def record_settings(path: str, settings: Mapping[str, Any], holds: str) -> None:
+  """Records `settings` (JSON) at `path` for a new workdir, or refuses one recorded under other settings.
+
+  `holds` says what the workdir holds, for the error ("comparison results", "benchmark rows"); the error
+  names the differing fields and the fix. The file is {"fingerprint": ..., "settings": ...}, written
+  atomically, so a killed writer leaves none.
+  """
+  settings = json.loads(json.dumps(dict(settings), default=str))  # as the file will hold it
+  value = fingerprint(settings)
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old.get("fingerprint") == value:
+      return
+    raise ValueError(f"{os.path.dirname(path) or '.'} holds {holds} of a different config (fingerprint "
+                     f"{old.get('fingerprint')} vs {value}; differing fields: "
+                     f"{differing_fields(old.get('settings', {}), settings)}). Resume with the same config or "
+                     "use a new --workdir.")
+  atomic.write_json(path, {"fingerprint": value, "settings": settings})
 
 
 def from_section(cls, section, name: str, *, aliases: Mapping[str, str] | None = None, **overrides):

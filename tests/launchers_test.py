@@ -31,6 +31,17 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
     results = json.load(f)["results"]
   assert [r["name"] for r in results] == ["chain2", "tree"]
   assert all(r["equal_to_ar"] == 1.0 for r in results) and "| gsm8k | 0 | tree |" in out.stdout
+  # Killed after its first row: the rerun keeps that row and decodes only the missing one.
+  rows = tmp_path / "bench" / "rows"
+  assert sorted(os.listdir(rows)) == ["gsm8k-n2-T0-chain2.json", "gsm8k-n2-T0-tree.json"]
+  (rows / "gsm8k-n2-T0-tree.json").unlink()
+  kept = (rows / "gsm8k-n2-T0-chain2.json").stat().st_mtime
+  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+             "--num_prompts=2", "--methods=chain2,tree", "--temperatures=0")
+  assert "gsm8k T=0 chain2: kept from" in out.stdout and "gsm8k T=0 tree: tau=" in out.stdout
+  assert (rows / "gsm8k-n2-T0-chain2.json").stat().st_mtime == kept
+  with open(tmp_path / "bench" / "bench_speculative.json") as f:
+    assert [r["name"] for r in json.load(f)["results"]] == ["chain2", "tree"]
   # --nopaired: τ and acceptance only, no plain decoding and no speedup columns.
   out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "tau"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2", "--temperatures=0", "--nopaired")

@@ -104,3 +104,22 @@ def test_differing_fields_name_what_changed_between_two_records():
                                              "data": {}}) == "data.source, seed, train.lr, train.widths"
   many = {f"f{i}": i for i in range(10)}
   assert options.differing_fields({}, many, limit=3) == "f0, f1, f2 ..."
+
+
+def test_record_settings_records_once_and_refuses_other_settings(tmp_path):
+  path = str(tmp_path / "w" / "settings.json")
+  settings = {"config": {"lr": 0.1, "widths": (128, 256)}, "paired": True}
+  options.record_settings(path, settings, "benchmark rows")
+  with open(path) as f:
+    recorded = json.load(f)
+  # The recorded file holds the JSON form; its fingerprint is the one hash workdirs record.
+  assert recorded["settings"] == {"config": {"lr": 0.1, "widths": [128, 256]}, "paired": True}
+  assert recorded["fingerprint"] == options.fingerprint(settings)
+  before = (tmp_path / "w" / "settings.json").stat().st_mtime_ns
+  options.record_settings(path, {"paired": True, "config": {"widths": [128, 256], "lr": 0.1}}, "benchmark rows")
+  assert (tmp_path / "w" / "settings.json").stat().st_mtime_ns == before  # the same settings: a resume
+  with pytest.raises(ValueError, match=r"holds benchmark rows of a different config .*differing fields: "
+                                       r"config\.lr, paired\). Resume with the same config or use a new"):
+    options.record_settings(path, {"config": {"lr": 0.2, "widths": (128, 256)}, "paired": False}, "benchmark rows")
+  with open(path) as f:
+    assert json.load(f) == recorded  # a refusal writes nothing
