@@ -85,18 +85,27 @@ campaign-train: setup
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
 	    --config.train.lr=3e-3
 
-# Stage 4, on a quiet machine: the trained draft on all 80 MT-bench, HumanEval and GSM8K prompts, T = 0 and 1,
-# chains K = 2, 3, 4, the config's tree and the tuner's choice, paired against plain decoding at batch 1 and 8.
-CAMPAIGN_EVAL := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(CAMPAIGN)/draft \
-	--datasets=mtbench,humaneval,gsm8k --num_prompts=80,80,80 --temperatures=0,1 \
-	--methods=chain2,chain3,chain4,tree,auto
+# Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
+# and acceptance by depth on all 80 MT-bench, 80 HumanEval and 80 GSM8K prompts, T = 0 and 1, chains K = 2, 3,
+# 4 and the config's tree, without plain decoding beside them (--nopaired: τ does not depend on the batch, so
+# batch 16); then speedups paired against plain decoding (ABBA) at batch 1 and 8 on the first CAMPAIGN_TIMED
+# prompts of each set, for K = 3, the tree and the tuner's choice (timing all 240 at batch 1 would take a day).
+CAMPAIGN_TIMED ?= 24
+CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(CAMPAIGN)/draft \
+	--datasets=mtbench,humaneval,gsm8k
+CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto
 campaign-eval: setup
-	$(PY) $(CAMPAIGN_EVAL) --config.speculate.batch_size=1 --workdir=$(CAMPAIGN)/eval/batch1
-	$(PY) $(CAMPAIGN_EVAL) --config.speculate.batch_size=8 --workdir=$(CAMPAIGN)/eval/batch8
+	$(PY) $(CAMPAIGN_BENCH) --num_prompts=80,80,80 --temperatures=0,1 --methods=chain2,chain3,chain4,tree \
+	    --nopaired --config.speculate.batch_size=16 --workdir=$(CAMPAIGN)/eval/tau
+	$(PY) $(CAMPAIGN_BENCH) $(CAMPAIGN_TIMED_FLAGS) --temperatures=0,1 --config.speculate.batch_size=1 \
+	    --workdir=$(CAMPAIGN)/eval/batch1
+	$(PY) $(CAMPAIGN_BENCH) $(CAMPAIGN_TIMED_FLAGS) --temperatures=0 --config.speculate.batch_size=8 \
+	    --workdir=$(CAMPAIGN)/eval/batch8
 
 release-draft: setup
 	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) \
-	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json \
+	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/tau/bench_speculative.json \
+	    --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json --metrics=$(CAMPAIGN)/eval/batch8/bench_speculative.json \
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
@@ -138,11 +147,15 @@ paper-gemma: setup
 	    --config.train.features=$(GEMMA_PAPER)/features --config.train.eval_features=$(GEMMA_PAPER)/heldout32 \
 	    --workdir=$(GEMMA_PAPER)/compare
 
+# Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built once): most of a
+# test's time is single-threaded tracing and compiling, so two workers use both cores (BENCHMARKS.md, "Test
+# suite"). TEST_WORKERS=0 runs in this process alone.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-all: setup
-	$(PY) -m pytest -q -m '' tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m '' tests
 
 bench: setup
 	$(PY) experiments/bench_decode.py

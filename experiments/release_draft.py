@@ -1,12 +1,12 @@
 """Release a trained draft under releases/: an EAGLE-3 directory (bf16) with a manifest, loadable by name.
 
   python experiments/release_draft.py --draft=out/campaign/draft --name=smollm2-135m-instruct-eagle3 \
-      --data=out/campaign/distilled/manifest.json --metrics=out/campaign/eval.json \
+      --data=out/campaign/distilled/manifest.json --metrics=out/campaign/eval/batch1/bench_speculative.json \
       --commands="make campaign-distill" --commands="make campaign-train"
 
 Loads the target the draft's checkpoint recorded, exports the draft (`layerwave.export.export_eagle3`, weights
 in --dtype) and writes manifest.json (layer ids, target fingerprint, data, commands, held-out sim τ from the
-workdir's last evaluation plus --metrics, SHA-256 of every file); see `layerwave/training/release.py`. Then
+workdir's last evaluation plus the results of each --metrics file, keyed by its folder's name, SHA-256 of every file); see `layerwave/training/release.py`. Then
 `layerwave.load_draft(NAME, target)` and `--config.draft=NAME` load it. A release is replaced only with
 --overwrite (a better draft).
 """
@@ -28,7 +28,9 @@ _DRAFT = flags.DEFINE_string("draft", None, "Training workdir of the draft.", re
 _NAME = flags.DEFINE_string("name", None, "Release name (a folder under releases/).", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "Tensor dtype on disk.")
 _DATA = flags.DEFINE_string("data", None, "The distilled workdir's manifest.json (its fingerprint and counts).")
-_METRICS = flags.DEFINE_string("metrics", None, "A JSON file of measured results (evaluation table).")
+_METRICS = flags.DEFINE_multi_string(
+    "metrics", [], "A bench_speculative.json (or any JSON of measured results); repeat for several. Each is kept "
+    "under its folder's name (eval/batch1/bench_speculative.json: 'batch1'), without its config.")
 _COMMANDS = flags.DEFINE_multi_string("commands", [], "The commands that produced the draft.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing release (only with a better draft).")
 
@@ -48,9 +50,16 @@ def main(argv):
   points = curves.read_curve(_DRAFT.value)
   metrics = {"heldout_sim_tau": points[-1].sim_tau if points else None, "step": meta.get("step"),
              "tokens_trained": meta.get("tokens_trained")}
-  if _METRICS.value:
-    with open(_METRICS.value, encoding="utf-8") as f:
-      metrics["evaluation"] = json.load(f)
+  evaluation = {}
+  for path in _METRICS.value:
+    name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    if name in evaluation:
+      raise app.UsageError(f"--metrics: two files in folders named {name!r}; give each its own folder.")
+    with open(path, encoding="utf-8") as f:
+      measured = json.load(f)
+    evaluation[name] = {k: v for k, v in measured.items() if k != "config"} if isinstance(measured, dict) else measured
+  if evaluation:
+    metrics["evaluation"] = evaluation
   data = {"selection": meta.get("selection"), "dataset": meta.get("dataset")}
   if _DATA.value:
     with open(_DATA.value, encoding="utf-8") as f:
