@@ -31,6 +31,6 @@ setuptools.setup(
     ],
     extras_require={
         # torch is pinned: 2.13.0 is the CPU build this project's machines carry (see README).
-        "test": ["pytest>=8", "chex>=0.1.90", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
     },
 )

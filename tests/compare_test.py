@@ -6,8 +6,10 @@ the refusal of a different config.
 """
 
 import dataclasses
+import functools
 import itertools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -507,7 +509,21 @@ def test_finalists_decode_once_and_only_what_is_new(monkeypatch, tmp_path):
     run(cfg)
 
 
-def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_path):
+def _compare_in_process(target_dir, workdir, caplog, **overrides):
+  """compare.run as the launcher runs it (`:smoke`, `--config.compare.K=V` for each override); its log."""
+  config = _smoke_config(target_dir)
+  for key, value in overrides.items():
+    section, field = key.split("__")
+    config[section][field] = value
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    compare.run(config, workdir)
+  return caplog.text
+
+
+def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_path, caplog, monkeypatch):
+  """The launcher once (a subprocess, as a user runs it), then the same stage in this process: resumed, grown,
+  with a release, the dynamics and finalists, and the refusals (no second import of JAX per phase)."""
   workdir = str(tmp_path / "w")
   base = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py"),
           "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke",
@@ -544,15 +560,15 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   releases = tmp_path / "releases"
   draft_release.write(restore.load_draft(os.path.join(workdir, "cells", "L2-4-5", "seed0"), target),
                       target, str(releases / "tiny-eagle3"), model=tiny_chat_target_dir)
-  env = dict(os.environ, LAYERWAVE_RELEASES=str(releases))
+  monkeypatch.setenv("LAYERWAVE_RELEASES", str(releases))
+  run = functools.partial(_compare_in_process, tiny_chat_target_dir, workdir, caplog)
   # Rerun with one more manual set and the release: finished cells are skipped, only the new one trains, and
   # the released draft decodes the same prompts beside them.
   manual = next(s for s in ([5, 6, 7], [1, 2, 3]) if s not in [r["ids"] for r in rows.values()])  # a new set
-  grown = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)),
-                                 "--config.compare.release=tiny-eagle3"], check=True, cwd=ROOT,
-                         timeout=600, capture_output=True, text=True, env=env)
+  manual_flag = ",".join(map(str, manual))
+  log = run(compare__manual=manual_flag, compare__release="tiny-eagle3")
   assert os.path.getmtime(cells[0]) == stamp
-  assert "Cell 1/3" not in grown.stderr and f"Cell 3/3: manual-0 {manual} seed 0" in grown.stderr
+  assert "Cell 1/3" not in log and f"Cell 3/3: manual-0 {manual} seed 0" in log
   with open(os.path.join(workdir, "results.json")) as f:
     summary = json.load(f)
   assert summary["cells_done"] == 3
@@ -563,12 +579,9 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
     assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16): τ T0/all" in f.read()
   # The dynamics: eagle3 again at half the steps; only that cell trains.
   # With the finalists: the best set by sim τ and eagle3 decode 3 prompts each, paired by prompt.
-  half = subprocess.run(base + ["--config.compare.manual=" + ",".join(map(str, manual)), "--config.compare.budgets=0.5",
-                                "--config.compare.budget_sets=eagle3", "--config.compare.finalists=1",
-                                "--config.compare.finalist_prompts=3", "--config.compare.finalist_temperatures=0,1"],
-                        check=True, cwd=ROOT, timeout=600,
-                        capture_output=True, text=True)
-  assert "Cell 4/4: eagle3 [2, 4, 5] seed 0 budget x0.5" in half.stderr and "Cell 3/4" not in half.stderr
+  log = run(compare__manual=manual_flag, compare__budgets=(0.5,), compare__budget_sets=("eagle3",),
+            compare__finalists=1, compare__finalist_prompts=3, compare__finalist_temperatures=(0.0, 1.0))
+  assert "Cell 4/4: eagle3 [2, 4, 5] seed 0 budget x0.5" in log and "Cell 3/4" not in log
   with open(os.path.join(workdir, "cells", "L2-4-5", "x0.5", "seed0", "result.json")) as f:
     halved = json.load(f)
   full_steps = cell["train"]["step"]
@@ -590,17 +603,15 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "Dynamics: held-out sim τ as the budget grows" in md and "Finalists: speculative τ on 3 mtbench" in md
-  missing = subprocess.run(base + ["--config.compare.release=no-such-draft", "--config.compare.report_only=True"],
-                           check=True, cwd=ROOT, timeout=600, capture_output=True, text=True, env=env)
-  assert "no such release" in missing.stderr and "releases: tiny-eagle3" in missing.stderr
+  log = run(compare__release="no-such-draft", compare__report_only=True)
+  assert "no such release" in log and "releases: tiny-eagle3" in log
   with open(os.path.join(workdir, "results.md")) as f:
     assert "Released draft `no-such-draft`: not under releases/ yet (there: tiny-eagle3" in f.read()
   # A typo fails before anything is recorded: the corrected config then starts cleanly in that workdir.
   fresh = str(tmp_path / "fresh")
-  typo = subprocess.run(base[:-1] + ["--workdir=" + fresh, "--config.compare.datasets=mtbench,gsm9k",
-                                     "--config.compare.analysis=" + os.path.join(workdir, "analysis")],
-                        cwd=ROOT, timeout=600, capture_output=True, text=True)
-  assert typo.returncode != 0 and "compare.datasets names 'gsm9k'" in typo.stderr
+  with pytest.raises(ValueError, match="compare.datasets names 'gsm9k'"):
+    _compare_in_process(tiny_chat_target_dir, fresh, caplog, compare__datasets=("mtbench", "gsm9k"),
+                        compare__analysis=os.path.join(workdir, "analysis"))
   assert not os.path.exists(os.path.join(fresh, "compare.json"))
   # A cell trained with another recipe (here: its record edited) is refused, naming the cell.
   with open(cells[0]) as f:
@@ -609,14 +620,13 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
       training_options.Recipe.from_config(_smoke_config(tiny_chat_target_dir)), 0))
   with open(cells[0], "w") as f:
     json.dump(dict(edited, recipe="0" * 16), f)
-  other = subprocess.run(base + ["--config.compare.report_only=True"], cwd=ROOT, timeout=600, capture_output=True,
-                         text=True)
-  assert other.returncode != 0 and "was trained with another recipe" in other.stderr and "L2-4-5" in other.stderr
+  with pytest.raises(ValueError, match="was trained with another recipe") as refused:
+    run(compare__report_only=True)
+  assert "L2-4-5" in str(refused.value)
   with open(cells[0], "w") as f:
     json.dump(edited, f)
-  bad = subprocess.run(base + ["--config.train.lr=0.123"], cwd=ROOT, timeout=600, capture_output=True, text=True)
-  assert bad.returncode != 0 and "holds comparison results of a different config" in bad.stderr
-  assert "train.lr" in bad.stderr
+  with pytest.raises(ValueError, match=r"holds comparison results of a different config(.|\n)*train\.lr"):
+    run(train__lr=0.123)
 
 
 @pytest.mark.slow

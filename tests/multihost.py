@@ -4,7 +4,9 @@ Each process has one CPU device, finds the coordinator in JAX_COORDINATOR_ADDRES
 JAX_PROCESS_ID (what `sharding.maybe_initialize_distributed` reads, so the script must call it, or a stage that
 does, before anything touches the XLA backend), and gets `ARGS` (strings) and `PROCESS` (its id) after a
 prelude that puts the repository on `sys.path` and sets tests/conftest.py's matmul precision. Every process
-passes its result to `write_result(obj)`; the caller gets the list, one per process. The processes inherit
+passes its result to `write_result(obj)`; the caller gets the list, one per process. `run_here` runs the
+same script in the calling process as the one-process reference (the script reads DISTRIBUTED, False there,
+for `config.distributed`). The processes inherit
 tests/conftest.py's persistent compilation cache through the environment (only process 0 writes to it), and 30 s
 before the timeout a process that is still running prints every thread's Python stack and exits, so a hang fails
 with the place it hung in the assertion message. The thread pools keep XLA's default size (the core count): with
@@ -32,6 +34,7 @@ import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 OUT, ARGS = sys.argv[2], sys.argv[4:]
 PROCESS = int(os.environ["JAX_PROCESS_ID"])
+DISTRIBUTED = True  # what a script sets config.distributed to (False when `run_here` runs it)
 
 
 def write_result(obj):
@@ -44,6 +47,20 @@ def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def run_here(script: str, *args: Any) -> Any:
+  """Runs `script` in this process as process 0 of 1 (no `jax.distributed`: DISTRIBUTED is False); its result.
+
+  The one-process reference of a two-process run, without the seconds a new interpreter spends importing JAX.
+  """
+  results = []
+  namespace = {"__name__": "__multihost_here__", "ARGS": [str(a) for a in args], "PROCESS": 0,
+               "DISTRIBUTED": False, "write_result": results.append}
+  exec(compile("import json, os, sys\nimport jax\n" + textwrap.dedent(script), "<multihost script>", "exec"), namespace)
+  if len(results) != 1:
+    raise AssertionError(f"the script called write_result {len(results)} times, not once")
+  return json.loads(json.dumps(results[0]))  # as a process would have passed it
 
 
 def run_in_processes(script: str, tmp_path, *args: Any, num_processes: int = 2, timeout: int = 600) -> list:

@@ -1,6 +1,6 @@
 """Two real JAX processes (`jax.distributed` over 127.0.0.1, one CPU device each), as a pod runs the launchers.
 
-Each stage runs once in one process and once in two on the same global batches; the two must agree: the
+Each stage runs once in one process (this one) and once in two on the same global batches; the two must agree: the
 analysis's statistics, online training's held-out metrics, and a checkpoint written by two processes restores
 in one. The one-process run goes first, so the tfds dataset both read is built before two processes open it.
 """
@@ -20,7 +20,7 @@ _ANALYSIS = """
 from layerwave.analysis import analyze
 from tests import configs
 config = configs.load("smoke")
-config.model, config.distributed = ARGS[0], True
+config.model, config.distributed = ARGS[0], DISTRIBUTED
 config.analysis.strategies = ("eagle3", "greedy")
 out = analyze.run(config, os.path.join(ARGS[1], "analysis"))
 stats = json.load(open(os.path.join(ARGS[1], "analysis", "layer_stats.json"))) if PROCESS == 0 else None
@@ -30,8 +30,11 @@ write_result({"processes": jax.process_count(), "stats": stats,
 
 
 def _stage(script, tmp_path, name, *args, num_processes):
+  """The script in `num_processes` real processes (1: in this one, the reference), in workdir name-N."""
   workdir = tmp_path / f"{name}-{num_processes}"
   workdir.mkdir()
+  if num_processes == 1:
+    return [multihost.run_here(script, *args, str(workdir))]
   return multihost.run_in_processes(script, workdir, *args, str(workdir), num_processes=num_processes)
 
 
@@ -54,7 +57,7 @@ _TRAIN_CONFIG = """
 from layerwave.training import loop
 from tests import configs
 config = configs.load("smoke")
-config.model, config.distributed, config.layers = ARGS[0], True, (1, 2, 3)
+config.model, config.distributed, config.layers = ARGS[0], DISTRIBUTED, (1, 2, 3)
 config.data.max_length, config.data.max_records, config.data.heldout_fraction = 128, 80, 0.25
 config.draft_model.vocab_size = 256
 t = config.train
@@ -82,35 +85,43 @@ def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_ch
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
 
 
-def _refusal(setup: str, call: str) -> str:
-  """A script that runs `setup`, then `call`, and reports the ValueError `call` raised ("ran" if none)."""
-  return setup + f"""
-try:
-  {call}
-  write_result("ran")
-except ValueError as e:
-  write_result(str(e))
+_REFUSALS = _TRAIN_CONFIG + """
+import copy
+from layerwave.data import distill
+
+
+def refusal(run):
+  try:
+    run()
+    return "ran"
+  except ValueError as e:
+    return str(e)
+
+
+errors = {"distill": refusal(lambda: distill.run(config, os.path.join(ARGS[1], "distill")))}
+disagree = copy.deepcopy(config)
+if PROCESS == 1:
+  disagree.train.lr = 5e-3
+errors["disagree"] = refusal(lambda: loop.run(disagree, os.path.join(ARGS[1], "disagree")))
+odd = copy.deepcopy(config)
+odd.train.batch_size = 3
+errors["odd"] = refusal(lambda: loop.run(odd, os.path.join(ARGS[1], "odd")))
+write_result(errors)
 """
 
 
-def _assert_refused(script, tmp_path, name, tiny_chat_target_dir, message):
-  """Runs a `_refusal` script in two processes; both must raise a ValueError that says `message`."""
-  errors = _stage(script, tmp_path, name, tiny_chat_target_dir, num_processes=2)
-  assert all(message in e for e in errors), errors
-
-
-_DISTILL = _refusal("""
-from layerwave.data import distill
-from tests import configs
-config = configs.load("smoke")
-config.model, config.distributed = ARGS[0], True
-""", 'distill.run(config, os.path.join(ARGS[1], "distill"))')
-
-
-def test_a_single_process_stage_refuses_two_processes_before_it_starts(tiny_chat_target_dir, tmp_path):
-  _assert_refused(_DISTILL, tmp_path, "distill", tiny_chat_target_dir,
-                  "Distillation runs in one JAX process, not 2")
-  assert not (tmp_path / "distill-2" / "distill").exists()
+def test_two_processes_are_refused_before_any_work_where_they_cannot_run(tiny_chat_target_dir, tmp_path):
+  """In one pair of processes: a single-process stage (distillation), processes started with different
+  configs, and a global batch the processes cannot split are each refused by both, before anything is written."""
+  errors = _stage(_REFUSALS, tmp_path, "refused", tiny_chat_target_dir, num_processes=2)
+  expected = {"distill": "Distillation runs in one JAX process, not 2",
+              "disagree": "processes [1] were started with a config other than process 0's",
+              "odd": "Batch size 3 is not divisible by the mesh's 'data' axis (2 devices)"}
+  for name, message in expected.items():
+    assert all(message in e[name] for e in errors), (name, errors)
+  workdir = tmp_path / "refused-2"
+  assert not (workdir / "distill").exists()
+  assert not (workdir / "disagree" / "checkpoints").exists() and not (workdir / "odd" / "checkpoints").exists()
 
 
 _OFFLINE = _TRAIN.replace("out = loop.run", """from layerwave.training.features import extraction
@@ -133,25 +144,3 @@ def test_extraction_and_offline_training_in_two_processes_equal_one(tiny_chat_ta
   for i in range(len(a)):
     for key in ("hidden", "final", "argmax", "input_ids"):
       np.testing.assert_allclose(np.asarray(b[i][key]), np.asarray(a[i][key]), atol=1e-5)
-
-
-_DISAGREE = _refusal(_TRAIN_CONFIG + """
-if PROCESS == 1:
-  config.train.lr = 5e-3
-""", 'loop.run(config, os.path.join(ARGS[1], "train"))')
-
-
-def test_processes_started_with_different_configs_are_refused(tiny_chat_target_dir, tmp_path):
-  _assert_refused(_DISAGREE, tmp_path, "disagree", tiny_chat_target_dir,
-                  "processes [1] were started with a config other than process 0's")
-
-
-_ODD_BATCH = _refusal(_TRAIN_CONFIG + """
-config.train.batch_size = 3
-""", 'loop.run(config, os.path.join(ARGS[1], "train"))')
-
-
-def test_a_global_batch_the_processes_cannot_split_is_refused(tiny_chat_target_dir, tmp_path):
-  _assert_refused(_ODD_BATCH, tmp_path, "odd", tiny_chat_target_dir,
-                  "Batch size 3 is not divisible by the mesh's 'data' axis (2 devices)")
-  assert not (tmp_path / "odd-2" / "train" / "checkpoints").exists()
