@@ -1,8 +1,9 @@
 """layerwave.compare: layer sets against brute-force references, statistics, resumption, bad inputs.
 
 The end-to-end test runs experiments/compare_layers.py (`:smoke` budget) on the tiny chat target of
-tests/conftest.py (L = 8) twice (the second run must skip every finished cell), grows it by a set, and checks
-the refusal of a different config.
+tests/conftest.py (L = 8) once as a user does, then the same stage in this process: grown by a set (every
+finished cell skipped), with a release, the dynamics and finalists, and the refusals of a typo, a cell of
+another recipe and a different config.
 """
 
 import dataclasses
