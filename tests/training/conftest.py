@@ -14,7 +14,9 @@ def tiny_config(tiny_chat_target_dir):
   c.data.max_length = 64
   c.data.max_records = 60
   c.data.heldout_fraction = 0.2
-  c.draft_model.vocab_size = 256
+  # At 256 none of the random target's next tokens in the first batches falls inside the draft vocabulary: a
+  # zero loss and zero gradients, and every check of what training changed would hold vacuously.
+  c.draft_model.vocab_size = 4096
   c.train.batch_size = 2
   c.train.num_steps = 4
   c.train.warmup_steps = 1
