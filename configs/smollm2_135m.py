@@ -146,6 +146,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.features = ""  # a feature store (experiments/extract_features.py): train offline, no target in the step
   c.train.bucket_widths = ()  # length buckets, e.g. (128, 256): short sequences in wider batches, less padding
   c.train.compute_dtype = "float32"  # the draft's passes in training ("bfloat16": float32 master weights; BENCHMARKS.md)
+  c.train.init_from = ""  # continue an unfinished run from its interim release (a new machine; options.py)
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
   # The target runs over the chat dataset of `data` once; its features go to a store that

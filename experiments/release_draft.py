@@ -8,7 +8,9 @@ Loads the target the draft's checkpoint recorded, exports the draft (`layerwave.
 in --dtype) and writes manifest.json (layer ids, target fingerprint, data, commands, held-out sim τ from the
 workdir's last evaluation plus the results of each --metrics file, keyed by its folder's name, SHA-256 of every file); see `layerwave/training/release.py`. Then
 `layerwave.load_draft(NAME, target)` and `--config.draft=NAME` load it. A release is replaced only with
---overwrite (a better draft).
+--overwrite and a held-out sim τ at least the release's. The manifest's `training` block (the run's settings,
+step and data position) lets `--config.train.init_from=NAME` continue an unfinished run on a machine that lost
+its workdir; `metrics.interim` says whether the run had reached its `train.num_steps`.
 """
 
 import json
@@ -66,10 +68,18 @@ def main(argv):
       distilled = json.load(f)
     data["distilled"] = {k: distilled.get(k) for k in ("dataset", "fingerprint", "output", "prompts")}
   out = os.path.join(release.releases_root(), _NAME.value)
+  training = release.training_record(meta)
+  metrics["interim"] = bool(training["num_steps"] and training["step"] < training["num_steps"])
+  if _OVERWRITE.value and release.is_release_dir(out):
+    with open(os.path.join(out, release.MANIFEST), encoding="utf-8") as f:
+      old = (json.load(f).get("metrics") or {}).get("heldout_sim_tau")
+    if old is not None and (metrics["heldout_sim_tau"] is None or metrics["heldout_sim_tau"] < old):
+      raise app.UsageError(f"{out} holds a draft of held-out sim τ {old:.4f}; this one's is "
+                           f"{metrics['heldout_sim_tau']}: a release is replaced only with a better draft.")
   manifest = release.write(draft, target, out, model=model,
                            selection=layer_ids.LayerSelection.from_dict(meta["selection"]),
                            dtype=_DTYPE.value, commands=_COMMANDS.value, data=data, metrics=metrics,
-                           overwrite=_OVERWRITE.value)
+                           training=training, overwrite=_OVERWRITE.value)
   print(json.dumps({"release": out, "layer_ids": manifest["layer_ids"], "files": manifest["sha256"]}, indent=1))
 
 

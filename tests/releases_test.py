@@ -63,6 +63,13 @@ def test_released_drafts_load_by_name_and_decode_as_plain_greedy(directory):
   target = layerwave.load_target(manifest["target"]["model"])
   draft = layerwave.load_draft(os.path.basename(directory), target)
   assert list(draft.config.layer_ids) == manifest["layer_ids"]
+  training = manifest.get("training")
+  if training:  # the run it came from, as `train.init_from` continues it: self-consistent
+    from layerwave import options  # pylint: disable=g-import-not-at-top
+    assert options.fingerprint(training["settings"]) == training["config_fingerprint"]
+    assert training["settings"]["layers"] == manifest["layer_ids"]
+    assert manifest["metrics"]["step"] == training["step"] <= training["num_steps"]
+    assert manifest["metrics"]["interim"] == (training["step"] < training["num_steps"])
   prompts = [ids for _, ids in evaluate.chat_prompts(target.tokenizer, "mtbench", 2, 256)]
   plain = layerwave.generate(target, prompts, 48)
   spec, stats = layerwave.speculative.generate(target, draft, prompts, 48, num_draft_tokens=3)

@@ -297,6 +297,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   optimizer = t.optimizer
   latest = ckpt.latest_step()
+  meta, continued = None, None
   if latest is not None:
     meta = ckpt.read_meta(latest)
     if meta["config_fingerprint"] != fingerprint:
@@ -315,17 +316,26 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
                        f"{t.schedule_steps}), which would change the schedule mid-run. To train on past its end "
                        f"keep it: --config.train.schedule_steps={started}; or use a new --workdir.")
     draft = restore.abstract_draft(DraftConfig.from_dict(meta["draft_config"]))
+  elif t.init_from:
+    draft, continued, released = restore.continue_from_release(
+        t.init_from, target, settings=settings, feature_store=store_id, schedule_steps=t.schedule_length)
   else:
     draft = new_draft(model, t, seed, target, record, train_source)
-    meta = None
   graphdef, params, vocab, frozen = step_lib.split_draft(draft)
   # The frozen embedding is the target's own matrix (never checkpointed).
   target_embedding = target.params["embed_tokens"]["embedding"][...]
   embed = jax.tree.map(lambda _: target_embedding, frozen)
   if meta is None:
-    state = _replicate(step_lib.init_state(params, optimizer), mesh)
-    vocab = _replicate(vocab, mesh)
+    state = step_lib.init_state(params, optimizer)
     position = data_lib.Position()
+    if continued is not None:
+      state = step_lib.continue_state(state, int(continued["step"]))
+      position = data_lib.Position.from_dict(continued["data_position"])
+      logging.warning("No checkpoint in %s: continuing the run released as %s from its step %d (data position "
+                      "%s), its bfloat16-rounded weights in float32 and fresh AdamW moments.", workdir, released,
+                      int(continued["step"]), position)
+    state = _replicate(state, mesh)
+    vocab = _replicate(vocab, mesh)
   else:
     state, vocab, meta = restore.restore_state(ckpt, params, vocab, mesh, latest, optimizer)
     position = data_lib.Position.from_dict(meta["data_position"])
@@ -337,6 +347,10 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
                # What restore.load_draft and release_draft read to load the target and name the run.
                "config": {"model": target.spec or target.path, "dtype": dtype, "layers": list(record.ids),
                           **recipe.to_dict()}}
+  if continued is not None:
+    base_meta["continued_from"] = {"release": released, "step": int(continued["step"])}
+  elif meta is not None and meta.get("continued_from"):
+    base_meta["continued_from"] = meta["continued_from"]
   pad_id = int(target.tokenizer.pad_token_id or 0)
   process_index, process_count = sharding.data_position(mesh)
   iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id, process_index=process_index,
@@ -378,8 +392,12 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   stop = t.stop_step(start_step)
   tic, tokens_seen, last = time.perf_counter(), 0, {}
   # Real tokens and seconds of training steps over the whole run, carried across resumptions (curves).
-  total_tokens = 0 if meta is None else int(meta.get("tokens_trained", 0))
-  total_seconds = 0.0 if meta is None else float(meta.get("train_seconds", 0.0))
+  carried = meta if meta is not None else (continued or {})
+  total_tokens = int(carried.get("tokens_trained") or 0)
+  total_seconds = float(carried.get("train_seconds") or 0.0)
+  if continued is not None:  # the workdir holds the draft from the start, even when the released run had ended
+    ckpt.save(start_step, state, vocab, {**base_meta, "step": start_step, "data_position": it.position.to_dict(),
+                                         "tokens_trained": total_tokens, "train_seconds": total_seconds})
   step = start_step
   for step in range(start_step, stop):
     step_tic = time.perf_counter()  # batch preparation counts as training time; evaluation does not

@@ -74,6 +74,11 @@ class TrainOptions:
       target in the step; "" = online (the target runs in every step).
     compute_dtype: the draft's forward and backward passes in training: "float32" or "bfloat16" (parameters,
       gradients and optimizer state stay float32; held-out evaluation always runs in float32, as inference).
+    init_from: a draft release (`releases/<name>` or its directory) of an earlier, unfinished run of this same
+      recipe, to continue when `W` holds no checkpoint (a new machine): training goes on from the release's
+      step, data position and learning rate, with its bfloat16-rounded weights in float32 and fresh AdamW
+      moments (the only difference from an exact resume; its first updates are bias-corrected like a fresh
+      start's). A release of another recipe, target, layers or store is refused; a checkpoint in `W` wins.
     bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds batch_size *
       data.max_length token slots, as [batch_size * max_length / w, w] for the smallest width w >= its
       sequences' lengths, so short sequences stop paying for padding; () = every batch [batch_size,
@@ -82,7 +87,8 @@ class TrainOptions:
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).
   RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "schedule_steps", "stop_after", "log_every", "eval_every", "eval_batches",
-                                          "eval_ttt_steps", "eval_features", "checkpoint_every")
+                                          "eval_ttt_steps", "eval_features", "checkpoint_every",
+                                          "init_from")
 
   batch_size: int
   num_steps: int
@@ -109,6 +115,7 @@ class TrainOptions:
   features: str = ""
   bucket_widths: tuple[int, ...] = ()
   compute_dtype: str = "float32"
+  init_from: str = ""
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",

@@ -27,7 +27,8 @@ from layerwave.data import release as answers_release
 from layerwave.inference import Target
 from layerwave.models.draft import Draft
 
-__all__ = ["FORMAT", "ReleaseError", "releases_root", "available", "resolve", "write", "verify_for"]
+__all__ = ["FORMAT", "ReleaseError", "releases_root", "available", "resolve", "write", "verify_for",
+           "training_record", "TRAINING_FIELDS"]
 
 FORMAT = "layerwave-draft-release"
 FORMAT_VERSION = 1
@@ -90,9 +91,27 @@ def verify_for(directory: str, target: Target) -> dict[str, Any]:
   return manifest
 
 
+# What a release keeps of its training run's checkpoint, so that the run can continue from it on a machine
+# that lost the workdir (`train.init_from`): the settings it must be continued under, where it stood.
+TRAINING_FIELDS = ("step", "schedule_steps", "config_fingerprint", "settings", "feature_store", "data_position",
+                   "tokens_trained", "train_seconds")
+
+
+def training_record(meta: dict[str, Any]) -> dict[str, Any]:
+  """The `training` block of a release, from its run's checkpoint meta: `TRAINING_FIELDS` and the run's
+  planned `num_steps` (a release before that step is interim)."""
+  missing = [k for k in ("step", "schedule_steps", "config_fingerprint", "settings", "data_position")
+             if k not in meta]
+  if missing:
+    raise ValueError(f"The checkpoint's meta lacks {missing}: it was not written by training.loop.train.")
+  record = {k: meta.get(k) for k in TRAINING_FIELDS}
+  record["num_steps"] = ((meta.get("config") or {}).get("train") or {}).get("num_steps")
+  return record
+
+
 def write(draft: Draft, target: Target, out_dir: str, *, model: str, selection=None, dtype: str = "bfloat16",
           commands: list[str] | None = None, data: dict | None = None, metrics: dict | None = None,
-          overwrite: bool = False) -> dict[str, Any]:
+          training: dict | None = None, overwrite: bool = False) -> dict[str, Any]:
   """Exports `draft` as a release directory, atomically (a temporary directory renamed into place).
 
   Args:
@@ -105,6 +124,7 @@ def write(draft: Draft, target: Target, out_dir: str, *, model: str, selection=N
     commands: the commands that produced the draft (data, features, training).
     data: what it was trained on (conversation count, the distilled set's fingerprint, ...).
     metrics: measured quality (held-out sim τ, the evaluation table).
+    training: `training_record` of the run's checkpoint (lets `train.init_from` continue the run).
     overwrite: replace an existing release (only with a better draft).
 
   Returns:
@@ -131,6 +151,7 @@ def write(draft: Draft, target: Target, out_dir: str, *, model: str, selection=N
       "target": {"model": model, "fingerprint": distilled.target_fingerprint(target),
                  "num_layers": target.config.num_layers, "hidden_size": target.config.hidden_size},
       "data": data or {}, "metrics": metrics or {}, "commands": list(commands or []),
+      **({"training": training} if training else {}),
       "sha256": {f: answers_release.sha256(os.path.join(staging, f)) for f in files},
   }
   atomic.write_json(os.path.join(staging, MANIFEST), manifest)

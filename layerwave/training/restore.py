@@ -22,13 +22,15 @@ from layerwave import checkpoint as ckpt_lib
 from layerwave import eagle3
 from layerwave import export as export_lib
 from layerwave import layer_ids
+from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import release as release_lib
 from layerwave.training import step as step_lib
 
-__all__ = ["abstract_state", "checkpoint_dir", "export_workdir", "load_draft", "restore_state"]
+__all__ = ["abstract_state", "checkpoint_dir", "continue_from_release", "export_workdir", "load_draft",
+           "restore_state"]
 
 # The optimizer state's structure does not depend on the hyperparameters' values: restoring a draft for
 # inference needs only that structure.
@@ -107,6 +109,56 @@ def load_draft(path: str, target: Target, step: int | None = None) -> Draft:
     ckpt.close()
   embedding = target.params["embed_tokens"]["embedding"][...]
   return nnx.merge(graphdef, state.params, vocab, jax.tree.map(lambda _: embedding, frozen))
+
+
+def continue_from_release(name: str, target: Target, *, settings: dict, feature_store: str | None,
+                          schedule_steps: int) -> tuple[Draft, dict, str]:
+  """The draft of an interim release and its `training` record, checked to continue this very run.
+
+  Args:
+    name: `train.init_from`: a release's short name or its directory.
+    target: the run's target (checksums and target fingerprint verified).
+    settings: the run's `loop.fingerprint_settings` (the release's run must have had the same).
+    feature_store: the run's store fingerprint (None online); the release's run must have read the same.
+    schedule_steps: the run's learning-rate schedule length (it must not change mid-run).
+
+  Returns:
+    (the draft in float32, the release's `training` record, the release directory).
+
+  Raises:
+    ValueError: not a draft release, a release with no training record, or one of another run.
+  """
+  directory = release_lib.resolve(name) or (name if release_lib.is_release_dir(name) else None)
+  if directory is None:
+    raise ValueError(f"train.init_from={name!r} is not a draft release: give a name under "
+                     f"{release_lib.releases_root()} ({', '.join(release_lib.available()) or 'none there'}) or a "
+                     "directory written by experiments/release_draft.py.")
+  manifest = release_lib.verify_for(directory, target)
+  record = manifest.get("training")
+  if not record:
+    raise ValueError(f"train.init_from: {directory} records no training run (a release written before "
+                     "releases kept one, or by hand): it can be loaded as a draft, not continued. Unset "
+                     "--config.train.init_from to start afresh.")
+  want = options_lib.fingerprint(settings)
+  if record["config_fingerprint"] != want:
+    diff = options_lib.differing_fields(record.get("settings", {}), settings)
+    raise ValueError(f"train.init_from: {directory} was trained with another config (fingerprint "
+                     f"{record['config_fingerprint']} vs {want}; differing fields: {diff}); continue it with "
+                     "the same recipe, or unset --config.train.init_from.")
+  if record.get("feature_store") != feature_store:
+    raise ValueError(f"train.init_from: {directory} was trained "
+                     f"{'on the feature store ' + record['feature_store'] if record.get('feature_store') else 'online'}, "
+                     f"this run reads {'the store ' + feature_store if feature_store else 'no store (online)'}; "
+                     "extract the same store (same data, layers and dtype) or unset --config.train.init_from.")
+  if int(record["schedule_steps"]) != int(schedule_steps):
+    raise ValueError(f"train.init_from: {directory} ran a {record['schedule_steps']}-step learning-rate schedule; "
+                     f"this run's is {schedule_steps} steps. Keep it: --config.train.num_steps="
+                     f"{record['schedule_steps']} (or --config.train.schedule_steps={record['schedule_steps']}).")
+  draft = eagle3.load_eagle3(directory, target, dtype="float32")
+  if tuple(draft.config.layer_ids) != tuple(settings["layers"]):
+    raise ValueError(f"train.init_from: {directory} reads layers {list(draft.config.layer_ids)}, this run "
+                     f"{settings['layers']}.")
+  return draft, record, directory
 
 
 def export_workdir(workdir: str, out_dir: str, *, model: str | None = None, step: int | None = None,

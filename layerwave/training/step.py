@@ -107,6 +107,17 @@ def init_state(params, optimizer: OptimizerSettings) -> TrainState:
                     opt_state=optimizer.build().init(params))
 
 
+def continue_state(state: TrainState, step: int) -> TrainState:
+  """A fresh `init_state` moved to `step` of its schedule: the learning rate continues where a run stood,
+  while AdamW's moments (and their bias-correction count) start afresh (`train.init_from`)."""
+  def move(x):
+    if isinstance(x, optax.ScaleByScheduleState):
+      return x._replace(count=jnp.full_like(x.count, step))
+    return x
+  opt_state = jax.tree.map(move, state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+  return TrainState(step=jnp.full_like(state.step, step), params=state.params, opt_state=opt_state)
+
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 

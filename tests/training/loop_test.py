@@ -38,6 +38,7 @@ def test_killed_and_resumed_run_equals_uninterrupted(tiny_config, tmp_path):
     np.testing.assert_array_equal(a, b)
   lines = [json.loads(l) for l in open(tmp_path / "full" / "metrics.jsonl")]
   assert any("eval/sim_tau" in l for l in lines) and any("train/loss" in l for l in lines)
+  assert all(l["train/grad_norm"] > 0 for l in lines if "train/grad_norm" in l)  # the steps change the draft
   # The curves' axes: cumulative real tokens and training seconds, carried across the resumption.
   full_curve = curves.read_curve(str(tmp_path / "full"))
   resumed_curve = curves.read_curve(str(tmp_path / "resumed"))
@@ -154,3 +155,65 @@ def test_selection_file_for_another_model(tmp_path):
                                          "hidden_size": 576, "strategy": "greedy"}}))
   with pytest.raises(ValueError, match="30"):
     report.read_selection(str(path), "greedy", num_layers=4, hidden_size=32)
+
+
+def test_a_run_continues_from_its_interim_release_on_a_machine_without_its_workdir(tiny_config, tmp_path,
+                                                                                  monkeypatch):
+  """`train.init_from`: a release made from step 2 of a 4-step run continues in an empty workdir at step 2 of
+  the same schedule and data stream: the same batches (tokens counted equal to the uninterrupted run's), the
+  release's bfloat16 weights, and fresh AdamW moments (its first update is exactly ±lr(2) per parameter)."""
+  from layerwave.training import release  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("LAYERWAVE_RELEASES", str(tmp_path / "releases"))
+  tiny_config.layers = (2, 3, 4)  # an EAGLE-3 export refuses a first id of 1 (engines disagree on it)
+  full = loop.run(tiny_config, str(tmp_path / "full"))
+  target = layerwave.load_target(tiny_config.model)
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "full" / "checkpoints"))
+  meta2, meta4 = ckpt.read_meta(2), ckpt.read_meta(4)
+  ckpt.close()
+  draft2 = layerwave.load_draft(str(tmp_path / "full"), target, step=2)
+  record = release.training_record(meta2)
+  assert record["step"] == 2 and record["num_steps"] == 4 and record["schedule_steps"] == 4
+  release.write(draft2, target, str(tmp_path / "releases" / "tiny-interim"), model=tiny_config.model,
+                training=record, metrics={"heldout_sim_tau": 1.0})
+  released = [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(
+      layerwave.load_draft("tiny-interim", target), nnx.Param))]
+
+  cont = tiny_config.copy_and_resolve_references()
+  cont.train.init_from = "tiny-interim"  # not fingerprinted: the settings are the run's own
+  cont.train.stop_after = 1
+  assert loop.run(cont, str(tmp_path / "cont"))["step"] == 3
+  assert sorted(int(n) for n in os.listdir(tmp_path / "cont" / "checkpoints") if n.isdigit()) == [2, 3]
+  step3 = [np.asarray(x) for x in _params(str(tmp_path / "cont"), target)]
+  moved = max(float(np.abs(a - b).max()) for a, b in zip(step3, released))
+  schedule = tiny_config.train.lr * 0.5 * (1 + np.cos(np.pi * (2 - 1) / (4 - 1)))  # lr(2): warm-up 1, cosine to 4
+  np.testing.assert_allclose(moved, schedule, rtol=1e-4)  # a fresh Adam step is ±lr; an old one's is smaller
+  cont.train.stop_after = 0
+  result = loop.run(cont, str(tmp_path / "cont"))  # its own checkpoint now wins; init_from is not consulted
+  assert result["step"] == 4 and np.isfinite(result["heldout_sim_tau"])
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "cont" / "checkpoints"))
+  cont4 = ckpt.read_meta(4)
+  ckpt.close()
+  assert cont4["continued_from"] == {"release": str(tmp_path / "releases" / "tiny-interim"), "step": 2}
+  assert cont4["data_position"] == meta4["data_position"]
+  assert cont4["tokens_trained"] == meta4["tokens_trained"]  # the same batches as the uninterrupted run
+  assert cont4["config_fingerprint"] == meta4["config_fingerprint"]
+  assert full["heldout_loss"] > 0 and abs(result["heldout_loss"] - full["heldout_loss"]) < 0.1 * full["heldout_loss"]
+
+  # Bad inputs: another recipe, another schedule, no such release, a release without its run.
+  other = cont.copy_and_resolve_references()
+  other.train.lr = 5e-3
+  with pytest.raises(ValueError, match=r"another config.*differing fields: train\.lr"):
+    loop.run(other, str(tmp_path / "other"))
+  other = cont.copy_and_resolve_references()
+  other.train.num_steps = 6
+  with pytest.raises(ValueError, match=r"ran a 4-step learning-rate schedule.*schedule_steps=4"):
+    loop.run(other, str(tmp_path / "other"))
+  other = cont.copy_and_resolve_references()
+  other.train.init_from = "tiny-missing"
+  with pytest.raises(release.ReleaseError, match="No draft release named 'tiny-missing'.*tiny-interim"):
+    loop.run(other, str(tmp_path / "other"))
+  release.write(draft2, target, str(tmp_path / "releases" / "tiny-bare"), model=tiny_config.model)
+  other.train.init_from = "tiny-bare"
+  with pytest.raises(ValueError, match="records no training run"):
+    loop.run(other, str(tmp_path / "other"))
+  assert not os.path.exists(tmp_path / "other" / "checkpoints") or not os.listdir(tmp_path / "other" / "checkpoints")

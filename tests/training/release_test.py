@@ -105,3 +105,34 @@ def test_releases_are_replaced_only_when_asked(target, root):
   with open(root / "tiny-eagle3" / "manifest.json") as f:
     assert json.load(f)["format"] == release.FORMAT
   layerwave.load_draft("tiny-eagle3", target)
+
+
+def test_release_draft_launcher_keeps_the_run_and_replaces_only_with_a_better_draft(tiny_config, tmp_path, root):
+  """experiments/release_draft.py on a half-trained workdir: the manifest keeps the run (`training`, what
+  `train.init_from` continues) and says it is interim; `--overwrite` with a draft worse than the release's
+  held-out sim τ is refused, and the release is left as it was."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from layerwave.training import loop  # pylint: disable=g-import-not-at-top
+  tiny_config.layers = (2, 3, 4)
+  tiny_config.train.stop_after = 2  # of 4 steps: an unfinished run
+  loop.run(tiny_config, str(tmp_path / "w"))
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cmd = [sys.executable, os.path.join(repo, "experiments", "release_draft.py"), f"--draft={tmp_path / 'w'}",
+         "--name=tiny-run", "--commands=make campaign-train"]
+  env = {**os.environ, "LAYERWAVE_RELEASES": str(root)}
+  subprocess.run(cmd, check=True, cwd=repo, env=env, timeout=600, capture_output=True)
+  with open(root / "tiny-run" / "manifest.json") as f:
+    manifest = json.load(f)
+  assert manifest["training"]["step"] == 2 and manifest["training"]["num_steps"] == 4
+  assert manifest["metrics"]["interim"] is True and manifest["metrics"]["step"] == 2
+  assert manifest["training"]["settings"]["layers"] == [2, 3, 4]
+  tau = manifest["metrics"]["heldout_sim_tau"]
+  assert tau >= 1.0
+  manifest["metrics"]["heldout_sim_tau"] = tau + 1.0  # as if the release held a better draft
+  with open(root / "tiny-run" / "manifest.json", "w") as f:
+    json.dump(manifest, f)
+  before = open(root / "tiny-run" / "model.safetensors", "rb").read()
+  refused = subprocess.run(cmd + ["--overwrite"], cwd=repo, env=env, timeout=600, capture_output=True, text=True)
+  assert refused.returncode != 0 and "replaced only with a better draft" in refused.stderr
+  assert open(root / "tiny-run" / "model.safetensors", "rb").read() == before
