@@ -5,6 +5,8 @@ analysis's statistics, online training's held-out metrics, and a checkpoint writ
 in one. The one-process run goes first, so the tfds dataset both read is built before two processes open it.
 """
 
+import json
+
 import jax
 import numpy as np
 from flax import nnx
@@ -59,7 +61,7 @@ from tests import configs
 config = configs.load("smoke")
 config.model, config.distributed, config.layers = ARGS[0], DISTRIBUTED, (1, 2, 3)
 config.data.max_length, config.data.max_records, config.data.heldout_fraction = 128, 80, 0.25
-config.draft_model.vocab_size = 256
+config.draft_model.vocab_size = 4096  # at 256 no next token of the random target is in it: zero gradients
 t = config.train
 t.batch_size, t.num_steps, t.warmup_steps, t.ttt_steps, t.lr = 4, 4, 1, 2, 1e-2
 t.log_every = t.eval_every = t.checkpoint_every = 2
@@ -76,6 +78,8 @@ def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_ch
   two = _stage(_TRAIN, tmp_path, "train", tiny_chat_target_dir, num_processes=2)
   assert one["step"] == 4 and two[0] == two[1]
   assert set(one) == set(two[0]) and one["heldout_loss"] > 0  # tokens were evaluated
+  lines = [json.loads(l) for l in open(tmp_path / "train-1" / "train" / "metrics.jsonl")]
+  assert all(l["train/grad_norm"] > 0 for l in lines if "train/grad_norm" in l)  # and the steps trained
   for key in set(one) - {"step"}:
     np.testing.assert_allclose(two[0][key], one[key], rtol=2e-4, atol=1e-5, err_msg=key)
   # The checkpoint two processes wrote restores in this one process, with the one-process run's weights.
