@@ -56,7 +56,10 @@ baseline: setup
 # continuous batching (make baseline's distill settings: prompts <= 192 tokens, answers <= 320, greedy), hours
 # of CPU; it resumes where it stopped. `make release-answers` packs its finished chunks (token ids, no prompt
 # text) into releases/, from which `python -m layerwave.data.release unpack` rebuilds the workdir anywhere.
-CAMPAIGN ?= out/campaign
+# The campaign's and the paper's workdirs live outside the work tree (RUNS), so that a session that gets this
+# machine back with its work tree laid anew still finds the store, checkpoints and logs of the last one.
+RUNS ?= $(HOME)/layerwave-runs
+CAMPAIGN ?= $(RUNS)/campaign
 CAMPAIGN_PROMPTS ?= 12000
 ANSWERS_RELEASE ?= releases/smollm2-135m-instruct-distilled
 CAMPAIGN_RECIPE := --config=configs/smollm2_135m.py:recipe --config.data.source=distilled:$(CAMPAIGN)/distilled
@@ -141,7 +144,7 @@ dtype-check: setup
 # store of every depth of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32;
 # then every layer set x 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
 # (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides).
-PAPER ?= out/paper
+PAPER ?= $(RUNS)/paper
 PAPER_FLAGS ?=
 PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=distilled:$(CAMPAIGN)/distilled
 paper-analysis: setup
@@ -163,7 +166,7 @@ paper-compare: setup
 
 # The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
 # 1,600 prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random set.
-GEMMA_PAPER ?= out/paper-gemma
+GEMMA_PAPER ?= $(RUNS)/paper-gemma
 GEMMA_RECIPE := --config=configs/gemma3_270m.py:paper --config.data.source=distilled:$(GEMMA_PAPER)/distilled
 paper-gemma: setup
 	$(PY) experiments/distill.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/distilled --config.distill.num_prompts=1600
