@@ -77,11 +77,12 @@ release-answers: setup
 
 # Stages 2-3: features of [2, 15, 27] extracted once from the distilled answers, then the baseline draft trained
 # offline with make baseline's recipe for CAMPAIGN_STEPS (the schedule's length: fixed for the run, resumable;
-# 8.35 epochs of the 12k conversations' train split). `make release-draft` exports it into releases/ (bf16,
+# 4,400 steps = 5.1 epochs of the 12k conversations' train split at 862 steps/epoch: every earlier draft's
+# held-out curve flattened by 4.8-6 epochs, BENCHMARKS.md "Data, not steps"). `make release-draft` exports it into releases/ (bf16,
 # manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
 # held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
 # run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments).
-CAMPAIGN_STEPS ?= 7200
+CAMPAIGN_STEPS ?= 4400
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
 CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
 campaign-train: setup
