@@ -101,6 +101,10 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
     for key, value in chunk["stats"].items():
       stats_total[key] = stats_total.get(key, 0) + value
   records = distilled.dataset_records(prefix)
+  content = distilled.content_fingerprint(records)
+  if old is not None and old["content"] == content and old["chunks"] == len(prefix):
+    verify(release_dir)  # nothing new to pack: the release stays as committed, commands included
+    return old
   atomic.write_json(os.path.join(release_dir, distilled.SETTINGS), settings)
   files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(release_dir, "answers-*.json.gz")))
   files.append(distilled.SETTINGS)
@@ -110,14 +114,20 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
       "settings": settings["settings"],
       "chunks": len(prefix), "conversations": len(records),
       "prompts_covered": sum(len(c["ids"]) for c in prefix),
-      "content": distilled.content_fingerprint(records),
+      "content": content,
       "stats": stats_total,
-      "commands": list(commands or (old or {}).get("commands", [])),
+      "commands": [_portable(c) for c in commands or (old or {}).get("commands", [])],
       **(extra or {}),
       "sha256": {name: sha256(os.path.join(release_dir, name)) for name in files},
   }
   atomic.write_json(os.path.join(release_dir, MANIFEST), manifest)
   return manifest
+
+
+def _portable(command: str) -> str:
+  """`command` with this machine's home directory written as `~`, so that no manifest names a local path."""
+  home = os.path.expanduser("~").rstrip("/")
+  return command.replace(home + "/", "~/") if home and home != "~" else command
 
 
 def _read_manifest(release_dir: str, fmt: str = FORMAT) -> dict[str, Any]:

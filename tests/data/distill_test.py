@@ -598,12 +598,22 @@ def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, 
   with gzip.open(os.path.join(out, "answers-00000.json.gz"), "rt") as f:
     body = json.load(f)
   assert set(body["records"][0]) == {"index", "id", "answers"}
-  assert release.pack(workdir, out)["sha256"] == packed["sha256"]  # packing again changes nothing
-  # The command line records what made the answers, then the pack itself.
+  with open(os.path.join(out, "manifest.json"), "rb") as f:
+    committed = f.read()
+  # Packing again with nothing new changes nothing, not even the manifest's commands.
   release.main(["release", "pack", workdir, out, "--made-by=make campaign-distill (python experiments/distill.py)"])
-  with open(os.path.join(out, "manifest.json")) as f:
-    assert json.load(f)["commands"] == ["make campaign-distill (python experiments/distill.py)",
-                                        f"python -m layerwave.data.release pack {workdir} {out}"]
+  with open(os.path.join(out, "manifest.json"), "rb") as f:
+    assert f.read() == committed
+  # A new release records what made the answers, then the pack itself, with the home directory as ~.
+  home = os.path.commonpath([workdir, str(tmp_path)])
+  monkeypatch.setenv("HOME", home)
+  again = str(tmp_path / "release2")
+  release.main(["release", "pack", workdir, again, f"--made-by=make campaign-distill (distill.py {workdir})"])
+  with open(os.path.join(again, "manifest.json")) as f:
+    commands = json.load(f)["commands"]
+  w, a = os.path.relpath(workdir, home), os.path.relpath(again, home)
+  assert commands == [f"make campaign-distill (distill.py ~/{w})",
+                      f"python -m layerwave.data.release pack ~/{w} ~/{a}"]
   with pytest.raises(SystemExit, match="usage"):
     release.main(["release", "unpack", out, workdir, "--made-by=x"])
 
