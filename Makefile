@@ -112,15 +112,17 @@ campaign-eval: setup
 
 release-draft: setup
 	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) --overwrite \
-	    --data=$(CAMPAIGN)/distilled/manifest.json --metrics=$(CAMPAIGN)/eval/tau/bench_speculative.json \
+	    --data=$(CAMPAIGN)/distilled/manifest.json --heldout=$(CAMPAIGN)/features --metrics=$(CAMPAIGN)/eval/tau/bench_speculative.json \
 	    --metrics=$(CAMPAIGN)/eval/batch1/bench_speculative.json --metrics=$(CAMPAIGN)/eval/batch8/bench_speculative.json \
 	    --commands="make campaign-distill" --commands="make campaign-train" --commands="make campaign-eval"
 
-# The unfinished run's latest checkpoint as the release (manifest metrics.interim = true, held-out sim τ of its
-# last evaluation, no decoding benchmark yet); refused unless its τ is at least the current release's.
+# The unfinished run's latest checkpoint as the release (manifest metrics.interim = true, no decoding benchmark
+# yet); both release targets measure the released bf16 weights on the store's whole held-out split (5 deep),
+# and a release is refused unless that τ is at least the current release's.
 release-interim: setup
 	$(PY) experiments/release_draft.py --draft=$(CAMPAIGN)/draft --name=$(DRAFT_RELEASE) --overwrite \
-	    --data=$(CAMPAIGN)/distilled/manifest.json --commands="make campaign-distill" --commands="make campaign-train"
+	    --data=$(CAMPAIGN)/distilled/manifest.json --heldout=$(CAMPAIGN)/features \
+	    --commands="make campaign-distill" --commands="make campaign-train"
 
 # bf16 draft training where it pays (BENCHMARKS.md, "Throughput"): the campaign's cell trained DTYPE_STEPS
 # steps with float32 and with bfloat16 compute (float32 master weights), DTYPE_SEEDS seeds each, on the campaign's

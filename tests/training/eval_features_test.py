@@ -174,3 +174,51 @@ def test_compare_probes_its_sets_on_the_training_store_and_keeps_the_result(stor
   assert os.path.getmtime(tmp_path / "probe.json") == stamp
   more = compare.probe_scores(recipe, sets, dataclasses.replace(cmp, probe_tokens=100), str(tmp_path))
   assert more["tokens"] == 100 and os.path.getmtime(tmp_path / "probe.json") > stamp  # other settings: refitted
+
+
+def test_release_draft_measures_the_released_weights_on_the_whole_heldout_split(stores, tiny_chat_target_dir,
+                                                                                 tmp_path):
+  """experiments/release_draft.py --heldout=STORE: the manifest's held-out sim τ is the bf16 release's own on
+  every held-out sequence (what `evaluate_on_store` gives the loaded release), and a later --overwrite is
+  judged on that measurement, not on the run's few-batch periodic evaluation."""
+  target = stores[0]
+  own = tiny_config(tiny_chat_target_dir)
+  data = DataOptions(**{k: own.data[k] for k in ("source", "max_length", "max_records", "heldout_fraction",
+                                                 "split_seed")})
+  train_store = str(tmp_path / "store")  # ids from 2 (release.write refuses a first id of 1)
+  features.extract(target, data.build(target.tokenizer), train_store, depths=(2, 3, 4), dtype="float32",
+                   batch_size=4, shard_sequences=8, data=dataclasses.asdict(data))
+  c = tiny_config(tiny_chat_target_dir, features=train_store)
+  c.layers = (2, 3, 4)
+  c.draft_model.vocab_size = target.config.vocab_size
+  loop.run(c, str(tmp_path / "w"))
+  releases = tmp_path / "releases"
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  cmd = [sys.executable, os.path.join(repo, "experiments", "release_draft.py"), f"--draft={tmp_path / 'w'}",
+         "--name=tiny-heldout", f"--heldout={train_store}", "--heldout_steps=3"]
+  env = {**os.environ, "LAYERWAVE_RELEASES": str(releases)}
+  subprocess.run(cmd, check=True, cwd=repo, env=env, timeout=600, capture_output=True)
+  with open(releases / "tiny-heldout" / "manifest.json") as f:
+    manifest = json.load(f)
+  heldout = manifest["metrics"]["heldout"]
+  store = features.open_store(train_store)
+  assert heldout["store"] == store.fingerprint and heldout["steps"] == 3 and heldout["dtype"] == "bfloat16"
+  assert manifest["metrics"]["heldout_sim_tau"] == heldout["sim_tau"]
+  released = layerwave.load_draft(str(releases / "tiny-heldout"), target)
+  m = loop.evaluate_on_store(released, target, train_store, steps=3, batch_size=2)
+  assert heldout["sim_tau"] == pytest.approx(float(m["sim_tau"]), rel=1e-6)
+  assert heldout["loss"] == pytest.approx(float(m["loss"]), rel=1e-6)
+  # ... over more than the one batch the run's periodic evaluation read (train.eval_batches=1).
+  first = loop.evaluate_on_store(released, target, train_store, steps=3, batch_size=2, max_batches=1)
+  assert heldout["positions"] > int(first["predicted_positions"])
+  assert heldout["positions"] == int(m["predicted_positions"]) > 0
+  # Every held-out sequence counted: as many positions as a pass with one batch per sequence finds.
+  whole = loop.evaluate_on_store(released, target, train_store, steps=3, batch_size=1)
+  assert heldout["positions"] == int(whole["predicted_positions"])
+  # A release whose whole-split τ is higher is kept, even when its periodic τ is lower than this draft's.
+  manifest["metrics"]["heldout"]["sim_tau"] += 1.0
+  manifest["metrics"]["heldout_sim_tau"] = 0.0
+  with open(releases / "tiny-heldout" / "manifest.json", "w") as f:
+    json.dump(manifest, f)
+  refused = subprocess.run(cmd + ["--overwrite"], cwd=repo, env=env, timeout=600, capture_output=True, text=True)
+  assert refused.returncode != 0 and "replaced only with a better draft" in refused.stderr
