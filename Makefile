@@ -81,7 +81,10 @@ release-answers: setup
 # held-out curve flattened by 4.8-6 epochs, BENCHMARKS.md "Data, not steps"). `make release-draft` exports it into releases/ (bf16,
 # manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
 # held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
-# run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments).
+# run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments). Its
+# periodic held-out evaluation (8 batches padded to 512, 5 deep) runs every 250 steps, not the recipe's 50: at 50
+# it costs about as much as 8 training steps each time (BENCHMARKS.md, "The release campaign"), and the releases
+# measure the whole held-out split themselves (release_draft --heldout).
 CAMPAIGN_STEPS ?= 4400
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
 CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
@@ -91,7 +94,7 @@ campaign-train: setup
 	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
 	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(CAMPAIGN_STEPS) \
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
-	    --config.train.lr=3e-3 --config.train.init_from=$(CAMPAIGN_INIT)
+	    --config.train.lr=3e-3 --config.train.eval_every=250 --config.train.init_from=$(CAMPAIGN_INIT)
 
 # Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
 # and acceptance by depth on all 80 MT-bench, 80 HumanEval and 80 GSM8K prompts, T = 0 and 1, chains K = 2, 3,
