@@ -98,18 +98,24 @@ campaign-train: setup
 
 # Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
 # and acceptance by depth on all 80 MT-bench, 80 HumanEval and 80 GSM8K prompts, T = 0 and 1, chains K = 2, 3,
-# 4 and the config's tree, without plain decoding beside them (--nopaired: τ does not depend on the batch, so
-# batch 16); then speedups paired against plain decoding (ABBA) at batch 1 and 8 on the first CAMPAIGN_TIMED
-# prompts of each set, for K = 3, the tree and the tuner's choice (timing all 240 at batch 1 would take a day).
+# 4 and one small tree (depth 4, top-k 4, 16 verified tokens), without plain decoding beside them (--nopaired:
+# τ does not depend on the batch, so batch 16); then speedups paired against plain decoding (ABBA) at batch 1
+# and 8 on the first CAMPAIGN_TIMED prompts of each set, for K = 3, the tree and the tuner's choice. Sized for
+# one 3-hour session of 2 cores: CAMPAIGN_NEW_TOKENS (128) new tokens a prompt, and at batch 1 one ABBA pair a
+# prompt (72 pairs a row, alternating AB/BA over the prompts; the speedup is their median). Estimated from the
+# measured cost of a verified token (~5.5 ms on this CPU, BENCHMARKS.md): the config's tree (48 verified tokens
+# a row) alone would take ~3.6 h at batch 16 and 256 tokens, and the earlier plan ~10 CPU-hours in all.
 CAMPAIGN_TIMED ?= 24
+CAMPAIGN_NEW_TOKENS ?= 128
 CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(CAMPAIGN)/draft \
-	--datasets=mtbench,humaneval,gsm8k
+	--datasets=mtbench,humaneval,gsm8k --config.speculate.max_new_tokens=$(CAMPAIGN_NEW_TOKENS) \
+	--config.speculate.tree_depth=4 --config.speculate.tree_top_k=4 --config.speculate.tree_tokens=16
 CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto
 campaign-eval: setup
 	$(PY) $(CAMPAIGN_BENCH) --num_prompts=80,80,80 --temperatures=0,1 --methods=chain2,chain3,chain4,tree \
 	    --nopaired --config.speculate.batch_size=16 --workdir=$(CAMPAIGN)/eval/tau
 	$(PY) $(CAMPAIGN_BENCH) $(CAMPAIGN_TIMED_FLAGS) --temperatures=0,1 --config.speculate.batch_size=1 \
-	    --workdir=$(CAMPAIGN)/eval/batch1
+	    --config.speculate.timing_repeats=1 --workdir=$(CAMPAIGN)/eval/batch1
 	$(PY) $(CAMPAIGN_BENCH) $(CAMPAIGN_TIMED_FLAGS) --temperatures=0 --config.speculate.batch_size=8 \
 	    --workdir=$(CAMPAIGN)/eval/batch8
 
