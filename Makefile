@@ -77,15 +77,18 @@ release-answers: setup
 
 # Stages 2-3: features of [2, 15, 27] extracted once from the distilled answers, then the baseline draft trained
 # offline with make baseline's recipe for CAMPAIGN_STEPS (the schedule's length: fixed for the run, resumable;
-# 4,400 steps = 5.1 epochs of the 12k conversations' train split at 862 steps/epoch: every earlier draft's
-# held-out curve flattened by 4.8-6 epochs, BENCHMARKS.md "Data, not steps"). `make release-draft` exports it into releases/ (bf16,
+# 3,620 steps = 5.1 epochs of the 12k conversations' train split at 710 steps/epoch: every earlier draft's
+# held-out curve flattened by 4.8-6 epochs, BENCHMARKS.md "Data, not steps"), on CAMPAIGN_WIDTHS length buckets
+# (88 % of the token slots real, against 70.5 % with make baseline's 128/256: BENCHMARKS.md "The release
+# campaign"). `make release-draft` exports it into releases/ (bf16,
 # manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
 # held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
 # run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments). Its
 # periodic held-out evaluation (8 batches padded to 512, 5 deep) runs every 250 steps, not the recipe's 50: at 50
 # it costs about as much as 8 training steps each time (BENCHMARKS.md, "The release campaign"), and the releases
 # measure the whole held-out split themselves (release_draft --heldout).
-CAMPAIGN_STEPS ?= 4400
+CAMPAIGN_STEPS ?= 3620
+CAMPAIGN_WIDTHS ?= 64,128,192,256,320,384,448
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
 CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
 campaign-train: setup
@@ -93,7 +96,7 @@ campaign-train: setup
 	    --config.features.dir=$(CAMPAIGN)/features
 	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
 	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(CAMPAIGN_STEPS) \
-	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=128,256 \
+	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=$(CAMPAIGN_WIDTHS) \
 	    --config.train.lr=3e-3 --config.train.eval_every=250 --config.train.init_from=$(CAMPAIGN_INIT)
 
 # Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
@@ -149,7 +152,7 @@ dtype-check: setup
 	    --config.train.features=$(CAMPAIGN)/features --config.train.eval_features=$(CAMPAIGN)/heldout32 \
 	    --config.train.num_steps=$(DTYPE_STEPS) --config.train.eval_every=$(DTYPE_STEPS) \
 	    --config.train.eval_batches=1000 --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 \
-	    --config.train.bucket_widths=128,256 --config.train.lr=3e-3 || exit 1; done; done
+	    --config.train.bucket_widths=$(CAMPAIGN_WIDTHS) --config.train.lr=3e-3 || exit 1; done; done
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one

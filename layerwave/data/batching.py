@@ -9,8 +9,9 @@ stream exactly (`BatchIterator(..., position=saved)`).
 
 Length buckets (`widths`): instead of padding every sequence to `seq_len`, each epoch groups the permuted
 examples by the smallest width w >= their length (`seq_len` is always the last width) and cuts each group
-into batches of `batch_size * seq_len / w` rows, so every batch holds the same number of token slots and a
-jitted step compiles once per width; the batches of all widths are then shuffled together. A width too few
+into batches of floor(`batch_size * seq_len / w`) rows (rounded down to a multiple of the processes), so every
+batch holds about the same number of token slots (exactly, for widths that divide them) and a jitted step
+compiles once per width; the batches of all widths are then shuffled together. A width too few
 examples fall into for one batch is merged into the next one up (else they would never be visited). Every example
 is visited once per epoch (less each width's last partial batch under `drop_remainder`), and fewer slots are
 padding when lengths vary (self-distilled answers: 228 of 512 on average).
@@ -165,11 +166,10 @@ class BatchIterator:
       if not 0 < w <= self._seq_len:
         raise ValueError(f"Length bucket width {w} must be in [1, seq_len={self._seq_len}]; drop it from "
                          "the widths.")
-      if slots % w or (slots // w) % self._process_count:
-        raise ValueError(f"Length bucket width {w} does not divide batch_size * seq_len = {slots} into a row "
-                         f"count divisible by the {self._process_count} processes; use widths that divide "
-                         f"{slots} (powers of two dividing seq_len do).")
-      self._rows[w] = slots // w
+      # As many rows as fit batch_size * seq_len slots, rounded down to a multiple of the processes: a width
+      # that does not divide the slots (e.g. 384 of 4096) holds up to a row's worth fewer.
+      rows = slots // w
+      self._rows[w] = rows - rows % self._process_count
     bucket = np.searchsorted(np.asarray(ws), self.lengths())  # index into ws
     # A width with fewer examples than one batch would drop them every epoch: they join the next width.
     for b in range(len(ws) - 1):

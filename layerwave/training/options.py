@@ -79,10 +79,10 @@ class TrainOptions:
       step, data position and learning rate, with its bfloat16-rounded weights in float32 and fresh AdamW
       moments (the only difference from an exact resume; its first updates are bias-corrected like a fresh
       start's). A release of another recipe, target, layers or store is refused; a checkpoint in `W` wins.
-    bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds batch_size *
-      data.max_length token slots, as [batch_size * max_length / w, w] for the smallest width w >= its
+    bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds about batch_size *
+      data.max_length token slots, as [floor(batch_size * max_length / w), w] for the smallest width w >= its
       sequences' lengths, so short sequences stop paying for padding; () = every batch [batch_size,
-      max_length]. Widths must divide batch_size * max_length into rows divisible by the mesh's data axis.
+      max_length]. Each width's row count must be divisible by the mesh's data axis (checked at start).
   """
 
   # Fields that may change between a run and its resumption (run length, logging, evaluation).

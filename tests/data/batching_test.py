@@ -202,7 +202,20 @@ def test_bucket_errors():
   source = _source(n=60)
   with pytest.raises(ValueError, match="must be in \\[1, seq_len=8\\]"):
     _bucketed(source, widths=(16,))
-  with pytest.raises(ValueError, match="does not divide batch_size \\* seq_len = 16"):
-    _bucketed(source, widths=(3,))
-  with pytest.raises(ValueError, match="divisible by the 2 processes"):
-    _bucketed(source, widths=(8,), seq_len=12, batch_size=2, process_count=2)  # 24 / 8 = 3 rows
+
+
+
+def test_a_width_that_does_not_divide_the_slots_takes_the_rows_that_fit():
+  """16 slots at width 3: 5 rows of 3 (15 slots); with 2 processes, 24 slots at width 8 → 3 rows → 2."""
+  source = _source(n=60)
+  it = _bucketed(source, widths=(3,), drop_remainder=False)
+  assert it.rows(3) == 5 and it.rows(8) == 2
+  batches = [next(it) for _ in range(it.steps_per_epoch)]
+  assert {b.input_ids.shape for b in batches} == {(5, 3), (2, 8)}
+  seen = sorted(int(i) for b in batches for i, m in zip(b.indices, b.example_mask) if m)
+  assert seen == list(range(60))  # every example once per epoch, none lost to the smaller batches
+  lengths = it.lengths()
+  assert it.epoch_fill() == pytest.approx(lengths.sum() / sum(b.input_ids.size for b in batches))
+  two = [_bucketed(source, widths=(8,), seq_len=12, batch_size=2, process_count=2, process_index=p)
+         for p in (0, 1)]
+  assert two[0].rows(8) == two[1].rows(8) == 2 and two[0].rows(12) == 2
