@@ -84,9 +84,9 @@ release-answers: setup
 # manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
 # held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
 # run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments). Its
-# periodic held-out evaluation (8 batches padded to 512, 5 deep) runs every 250 steps, not the recipe's 50: at 50
-# it costs about as much as 8 training steps each time (BENCHMARKS.md, "The release campaign"), and the releases
-# measure the whole held-out split themselves (release_draft --heldout).
+# periodic held-out evaluation (8 batches padded to 512, 5 deep) runs every 250 steps, not the recipe's 50: it
+# takes ~22 s, about 4 training steps (8 % of the run at every 50; BENCHMARKS.md, "The release campaign"), and
+# the releases measure the whole held-out split themselves (release_draft --heldout).
 CAMPAIGN_STEPS ?= 3620
 CAMPAIGN_WIDTHS ?= 64,128,192,256,320,384,448
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3

@@ -109,12 +109,14 @@ def _evaluate_released(draft, target, meta, store: str, steps: int) -> dict:
                                     allow_first_id_1=True, allow_nonstandard_k=True)
     released = eagle3.load_eagle3(path, target)
   train = (meta.get("config") or {}).get("train") or {}
+  # The run's length buckets: a pass over every held-out sequence, with little padding computed.
   m = loop.evaluate_on_store(released, target, store, steps=steps, batch_size=int(train.get("batch_size", 8)),
                              decay=float(train.get("decay", 0.8)),
-                             assistant_only=bool(train.get("assistant_only", True)))
+                             assistant_only=bool(train.get("assistant_only", True)),
+                             widths=tuple(int(w) for w in train.get("bucket_widths") or ()))
   return {"store": features.open_store(store).fingerprint, "split": "heldout (whole)", "steps": steps,
           "dtype": _DTYPE.value, "sim_tau": float(m["sim_tau"]), "acc_j": [float(a) for a in m["acc_j"]],
-          "positions": int(m["predicted_positions"]), "loss": float(m["loss"])}
+          "positions": int(m["predicted_positions"])}
 
 
 def _comparable(old: dict, new: dict) -> tuple[float | None, float | None]:

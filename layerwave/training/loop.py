@@ -203,13 +203,19 @@ def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
 
 
 def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, batch_size: int = 8,
-                      seq_len: int = 0, max_batches: int = 0, decay: float = 0.8, assistant_only: bool = True
-                      ) -> dict:
+                      seq_len: int = 0, max_batches: int = 0, decay: float = 0.8, assistant_only: bool = True,
+                      widths: tuple[int, ...] = ()) -> dict:
   """Held-out acc_j, acc_in_vocab_j, sim τ and loss of any draft for `target` on a store's heldout split.
 
   Compares drafts trained anywhere (online, offline, on other text) on one held-out text, `steps` deep.
-  The store is checked against the target, its tokenizer and the draft's layers.
+  The store is checked against the target, its tokenizer and the draft's layers. `widths`: length buckets for
+  a pass over the whole split (`max_batches` 0), which then computes far fewer padded positions; the
+  accuracies and sim τ are pooled over tokens, so they do not depend on the batching (the loss, a mean of
+  per-batch means, does a little).
   """
+  if widths and max_batches:
+    raise ValueError("evaluate_on_store: length buckets group the split by length, so only a pass over the "
+                     "whole split (max_batches=0) reads an unbiased sample; drop `widths` or `max_batches`.")
   store = features_lib.open_store(path)
   record = layer_ids.LayerSelection(ids=tuple(draft.config.layer_ids), num_layers=target.config.num_layers,
                                     hidden_size=target.config.hidden_size, strategy="manual")
@@ -225,7 +231,7 @@ def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, ba
   head_rows = _replicate(jnp.take(target_head(target), jnp.asarray(ids), axis=1), mesh)
   batches = features_lib.FeatureBatchIterator(heldout, store.layer_slots(record.ids), batch_size=batch_size,
                                               seq_len=seq_len, pad_id=int(target.tokenizer.pad_token_id or 0),
-                                              shuffle=False, drop_remainder=False, num_epochs=1)
+                                              shuffle=False, drop_remainder=False, num_epochs=1, widths=widths)
   return _evaluate(batches, max_batches or len(heldout), lambda b: step_lib.eval_step_offline(
       params, vocab, embed, head_rows, features_lib.device_arrays(b, mesh), draft_graphdef=graphdef, steps=steps,
       decay=decay, assistant_only=assistant_only))
