@@ -171,9 +171,10 @@ class BatchIterator:
       rows = slots // w
       self._rows[w] = rows - rows % self._process_count
     bucket = np.searchsorted(np.asarray(ws), self.lengths())  # index into ws
-    # A width with fewer examples than one batch would drop them every epoch: they join the next width.
+    # A width with fewer examples than one batch would drop them every epoch: they join the next width
+    # (without drop_remainder they fill one partial batch of their own width).
     for b in range(len(ws) - 1):
-      if (bucket == b).sum() < self._rows[ws[b]]:
+      if self._drop_remainder and (bucket == b).sum() < self._rows[ws[b]]:
         bucket[bucket == b] = b + 1
     used = sorted(set(bucket.tolist()))
     self._widths = tuple(ws[b] for b in used)

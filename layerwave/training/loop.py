@@ -362,6 +362,12 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id, process_index=process_index,
                  process_count=process_count)
   heldout_batches = dict(iterate, shuffle=False, drop_remainder=False, num_epochs=1)
+  if heldout is not None and t.bucket_widths and t.eval_batches >= data_lib.BatchIterator(
+      heldout, **heldout_batches).steps_per_epoch:
+    # A pass over the whole held-out split reads it in the run's length buckets: the same positions with far
+    # fewer padded ones (acc_j and sim τ are pooled over tokens, so they are unchanged; the loss, a mean of
+    # per-batch means, moves a little). A partial pass keeps padded batches: buckets would bias its sample.
+    heldout_batches["widths"] = t.bucket_widths
   train_iterate = dict(iterate, seed=seed, position=position, widths=t.bucket_widths)
   if store is None:
     it = data_lib.BatchIterator(train_source, **train_iterate)

@@ -117,6 +117,41 @@ def test_evaluate_on_store_equals_the_training_runs_evaluation(stores, tiny_chat
     loop.evaluate_on_store(draft, target, other, steps=2)
 
 
+def test_a_whole_split_evaluation_reads_the_runs_length_buckets(stores, tiny_chat_target_dir, tmp_path,
+                                                                monkeypatch):
+  """With train.bucket_widths and train.eval_batches covering the held-out split, the periodic evaluation reads
+  it in those buckets (narrower batches, fewer padded positions) with the pooled accuracies of a padded pass."""
+  target = stores[0]
+  data = DataOptions(source="sharegpt", max_length=256, max_records=40, heldout_fraction=0.5, split_seed=3)
+  store = str(tmp_path / "store")
+  features.extract(target, data.build(target.tokenizer), store, depths=LAYERS, dtype="float32", batch_size=4,
+                   shard_sequences=8, data=dataclasses.asdict(data))
+  heldout = features.open_store(store).split("heldout", max_length=256)
+  assert np.asarray(heldout.lengths()).min() <= 128  # some sequences fit a narrower bucket
+  shapes = []
+  real_eval = step_lib.eval_step_offline
+  def spy(*args, **kwargs):
+    shapes.append(args[4]["input_ids"].shape)
+    return real_eval(*args, **kwargs)
+  monkeypatch.setattr(step_lib, "eval_step_offline", spy)
+  c = tiny_config(tiny_chat_target_dir, features=store, eval_batches=50, bucket_widths=(64, 128))
+  for key, value in dataclasses.asdict(data).items():
+    c.data[key] = value
+  result = loop.run(c, str(tmp_path / "w"))
+  monkeypatch.setattr(step_lib, "eval_step_offline", real_eval)
+  assert shapes and min(s[1] for s in shapes) < 256 and max(s[0] for s in shapes) > 2
+  m = loop.evaluate_on_store(layerwave.load_draft(str(tmp_path / "w"), target), target, store, steps=2,
+                             batch_size=2)  # padded to 256, one pass
+  np.testing.assert_allclose(m["acc_j"], result["heldout_acc"], rtol=1e-6)
+  assert int(m["predicted_positions"]) == result["heldout_positions"]
+  # A partial pass (fewer batches than the split holds) keeps the padded batches.
+  shapes.clear()
+  monkeypatch.setattr(step_lib, "eval_step_offline", spy)
+  c.train.eval_batches = 1
+  loop.run(c, str(tmp_path / "partial"))
+  assert shapes and all(s == (2, 256) for s in shapes)
+
+
 def test_sweep_launcher_trains_cells_and_the_sharegpt_cell_from_another_store(stores, tiny_chat_target_dir,
                                                                              tmp_path):
   _, train_store, other = stores
