@@ -153,6 +153,8 @@ dtype-check: setup
 	    --config.train.num_steps=$(DTYPE_STEPS) --config.train.eval_every=$(DTYPE_STEPS) \
 	    --config.train.eval_batches=1000 --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 \
 	    --config.train.bucket_widths=$(CAMPAIGN_WIDTHS) --config.train.lr=3e-3 || exit 1; done; done
+	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=float32 --b=bfloat16 \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',')
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
