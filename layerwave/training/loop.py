@@ -45,6 +45,7 @@ from layerwave.inference import Target, compute_dtype, load_target, target_finge
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features as features_lib
 from layerwave.training import losses
+from layerwave.training import options as train_options
 from layerwave.training import restore
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
@@ -306,7 +307,8 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   meta, continued = None, None
   if latest is not None:
     meta = ckpt.read_meta(latest)
-    if meta["config_fingerprint"] != fingerprint:
+    if meta["config_fingerprint"] != fingerprint and not (
+        "settings" in meta and train_options.same_recipe(meta["settings"], settings)):
       diff = options_lib.differing_fields(meta.get("settings", {}), settings)
       raise ValueError(f"{workdir} holds a run with a different config (fingerprint "
                        f"{meta['config_fingerprint']} vs {fingerprint}; differing fields: {diff}); resume with "
@@ -353,6 +355,18 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
                # What restore.load_draft and release_draft read to load the target and name the run.
                "config": {"model": target.spec or target.path, "dtype": dtype, "layers": list(record.ids),
                           **recipe.to_dict()}}
+  # The run's precision history: a resumed (or continued) run may switch train.compute_dtype.
+  before = meta if meta is not None else continued
+  if before is None:
+    base_meta["compute_dtypes"] = [[0, t.compute_dtype]]
+  else:
+    was = ((before.get("settings") or {}).get("train") or {}).get("compute_dtype", "float32")
+    base_meta["compute_dtypes"] = train_options.precision_history(before.get("compute_dtypes"), was,
+                                                                  int(before["step"]), t.compute_dtype)
+    if base_meta["compute_dtypes"][-1][1] != was:
+      logging.warning("The run goes on from step %d with train.compute_dtype=%s (it ran in %s so far); its "
+                      "checkpoints record the history %s.", int(before["step"]), t.compute_dtype, was,
+                      base_meta["compute_dtypes"])
   if continued is not None:
     base_meta["continued_from"] = {"release": released, "step": int(continued["step"])}
   elif meta is not None and meta.get("continued_from"):

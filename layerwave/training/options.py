@@ -74,6 +74,8 @@ class TrainOptions:
       target in the step; "" = online (the target runs in every step).
     compute_dtype: the draft's forward and backward passes in training: "float32" or "bfloat16" (parameters,
       gradients and optimizer state stay float32; held-out evaluation always runs in float32, as inference).
+      Precision, not recipe: a run may resume (or continue from its release) in the other dtype; its
+      checkpoints and releases keep the history (`compute_dtypes`).
     init_from: a draft release (`releases/<name>` or its directory) of an earlier, unfinished run of this same
       recipe, to continue when `W` holds no checkpoint (a new machine): training goes on from the release's
       step, data position and learning rate, with its bfloat16-rounded weights in float32 and fresh AdamW
@@ -89,6 +91,11 @@ class TrainOptions:
   RESUMABLE: ClassVar[tuple[str, ...]] = ("num_steps", "schedule_steps", "stop_after", "log_every", "eval_every", "eval_batches",
                                           "eval_ttt_steps", "eval_features", "checkpoint_every",
                                           "init_from")
+
+  # Fields a resumed run may change because they change the arithmetic's precision, not the recipe (as the
+  # mesh does): they stay in the recorded settings, resumption compares the rest (`same_recipe`), and each
+  # checkpoint records the run's precision history (`compute_dtypes`: [first step, dtype] segments).
+  PRECISION: ClassVar[tuple[str, ...]] = ("compute_dtype",)
 
   batch_size: int
   num_steps: int
@@ -214,3 +221,22 @@ class Recipe:
     """Every field (JSON-friendly), as checkpoints record the recipe they were trained with."""
     return {"seed": self.seed, "train": dataclasses.asdict(self.train),
             "draft_model": dataclasses.asdict(self.draft_model), "data": dataclasses.asdict(self.data)}
+
+
+def same_recipe(recorded: dict, current: dict) -> bool:
+  """Whether a run recorded under `recorded` (`loop.fingerprint_settings`) may go on under `current`: equal but
+  for `TrainOptions.PRECISION` (a run may switch train.compute_dtype when it resumes; the checkpoints keep the
+  history)."""
+  def strip(settings: dict) -> dict:
+    train = {k: v for k, v in (settings.get("train") or {}).items() if k not in TrainOptions.PRECISION}
+    return {**settings, "train": train}
+  return options_lib.fingerprint(strip(dict(recorded))) == options_lib.fingerprint(strip(dict(current)))
+
+
+def precision_history(recorded: list | None, recorded_dtype: str, step: int, dtype: str) -> list[list]:
+  """A run's `compute_dtypes` after resuming at `step` in `dtype`: [[first step, dtype], ...] (a record from
+  before histories were kept starts as [[0, recorded_dtype]])."""
+  history = [list(x) for x in (recorded or [[0, recorded_dtype]])]
+  if history[-1][1] != dtype:
+    history.append([int(step), dtype])
+  return history

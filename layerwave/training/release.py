@@ -94,7 +94,7 @@ def verify_for(directory: str, target: Target) -> dict[str, Any]:
 # What a release keeps of its training run's checkpoint, so that the run can continue from it on a machine
 # that lost the workdir (`train.init_from`): the settings it must be continued under, where it stood.
 TRAINING_FIELDS = ("step", "schedule_steps", "config_fingerprint", "settings", "feature_store", "data_position",
-                   "tokens_trained", "train_seconds")
+                   "tokens_trained", "train_seconds", "compute_dtypes")
 
 
 def training_record(meta: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.inference import Target, load_target
 from layerwave.models.draft import Draft, DraftConfig
+from layerwave.training import options as train_options
 from layerwave.training import release as release_lib
 from layerwave.training import step as step_lib
 
@@ -140,7 +141,8 @@ def continue_from_release(name: str, target: Target, *, settings: dict, feature_
                      "releases kept one, or by hand): it can be loaded as a draft, not continued. Unset "
                      "--config.train.init_from to start afresh.")
   want = options_lib.fingerprint(settings)
-  if record["config_fingerprint"] != want:
+  if record["config_fingerprint"] != want and not train_options.same_recipe(record.get("settings") or {},
+                                                                           settings):
     diff = options_lib.differing_fields(record.get("settings", {}), settings)
     raise ValueError(f"train.init_from: {directory} was trained with another config (fingerprint "
                      f"{record['config_fingerprint']} vs {want}; differing fields: {diff}); continue it with "

@@ -199,6 +199,15 @@ def test_a_run_continues_from_its_interim_release_on_a_machine_without_its_workd
   assert cont4["config_fingerprint"] == meta4["config_fingerprint"]
   assert full["heldout_loss"] > 0 and abs(result["heldout_loss"] - full["heldout_loss"]) < 0.1 * full["heldout_loss"]
 
+  assert cont4["compute_dtypes"] == [[0, "float32"]]
+  # The release continues in bfloat16 compute (precision, not recipe), and the history says so.
+  bf16 = cont.copy_and_resolve_references()
+  bf16.train.compute_dtype = "bfloat16"
+  assert loop.run(bf16, str(tmp_path / "cont-bf16"))["step"] == 4
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "cont-bf16" / "checkpoints"))
+  assert ckpt.read_meta(4)["compute_dtypes"] == [[0, "float32"], [2, "bfloat16"]]
+  ckpt.close()
+
   # Bad inputs: another recipe, another schedule, no such release, a release without its run.
   other = cont.copy_and_resolve_references()
   other.train.lr = 5e-3
@@ -217,3 +226,31 @@ def test_a_run_continues_from_its_interim_release_on_a_machine_without_its_workd
   with pytest.raises(ValueError, match="records no training run"):
     loop.run(other, str(tmp_path / "other"))
   assert not os.path.exists(tmp_path / "other" / "checkpoints") or not os.listdir(tmp_path / "other" / "checkpoints")
+
+
+def test_a_resumed_run_may_switch_its_compute_dtype_and_records_the_history(tiny_config, tmp_path):
+  """train.compute_dtype is precision, not recipe: a run resumes in the other dtype (its checkpoints keep
+  [first step, dtype] segments), while any recipe change still refuses the resume."""
+  c = tiny_config.copy_and_resolve_references()
+  c.train.stop_after = 2
+  assert loop.run(c, str(tmp_path))["step"] == 2
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  meta2 = ckpt.read_meta(2)
+  ckpt.close()
+  c.train.compute_dtype, c.train.stop_after = "bfloat16", 1
+  assert loop.run(c, str(tmp_path))["step"] == 3
+  c.train.compute_dtype, c.train.stop_after = "float32", 0
+  result = loop.run(c, str(tmp_path))
+  assert result["step"] == 4 and np.isfinite(result["heldout_sim_tau"])
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  meta3, meta4 = ckpt.read_meta(3), ckpt.read_meta(4)
+  ckpt.close()
+  assert meta2["compute_dtypes"] == [[0, "float32"]]
+  assert meta3["compute_dtypes"] == [[0, "float32"], [2, "bfloat16"]]
+  assert meta3["settings"]["train"]["compute_dtype"] == "bfloat16"
+  assert meta4["compute_dtypes"] == [[0, "float32"], [2, "bfloat16"], [3, "float32"]]
+  assert meta4["config_fingerprint"] == meta2["config_fingerprint"]
+  other = c.copy_and_resolve_references()
+  other.train.compute_dtype, other.train.lr, other.train.num_steps = "bfloat16", 5e-3, 4
+  with pytest.raises(ValueError, match=r"different config.*differing fields: train\.compute_dtype, train\.lr"):
+    loop.run(other, str(tmp_path))
