@@ -84,10 +84,12 @@ release-answers: setup
 # manifest). The run outlives a session: `make release-interim` releases its latest checkpoint (only if its
 # held-out sim τ beats the release's), and on a machine without the workdir `make campaign-train` continues the
 # run from that release (train.init_from: its step, data position and schedule; fresh AdamW moments). Its
-# periodic held-out evaluation (8 batches padded to 512, 5 deep) runs every 250 steps, not the recipe's 50: it
-# takes ~22 s, about 4 training steps (8 % of the run at every 50; BENCHMARKS.md, "The release campaign"), and
-# the releases measure the whole held-out split themselves (release_draft --heldout).
+# periodic held-out evaluation runs every 250 steps, not the recipe's 50, over the whole held-out split in the
+# run's length buckets (~1 min, the measurement the releases make: release_draft --heldout); 8 padded batches
+# every 50 steps took 8 % of the run (BENCHMARKS.md, "The release campaign"). CAMPAIGN_DTYPE is the draft's
+# compute dtype (precision, not recipe: the run may switch it when it resumes; `make dtype-check` measures it).
 CAMPAIGN_STEPS ?= 3620
+CAMPAIGN_DTYPE ?= bfloat16
 CAMPAIGN_WIDTHS ?= 64,128,192,256,320,384,448
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
 CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
@@ -97,7 +99,8 @@ campaign-train: setup
 	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
 	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(CAMPAIGN_STEPS) \
 	    --config.train.ttt_steps=3 --config.draft_model.vocab_size=4096 --config.train.bucket_widths=$(CAMPAIGN_WIDTHS) \
-	    --config.train.lr=3e-3 --config.train.eval_every=250 --config.train.init_from=$(CAMPAIGN_INIT)
+	    --config.train.lr=3e-3 --config.train.eval_every=250 --config.train.eval_batches=1000 \
+	    --config.train.compute_dtype=$(CAMPAIGN_DTYPE) --config.train.init_from=$(CAMPAIGN_INIT)
 
 # Stage 4, on a quiet machine, resumable row by row (bench_speculative.py keeps every finished row). First τ
 # and acceptance by depth on all 80 MT-bench, 80 HumanEval and 80 GSM8K prompts, T = 0 and 1, chains K = 2, 3,
@@ -138,10 +141,11 @@ release-interim: setup
 
 # bf16 draft training where it pays (BENCHMARKS.md, "Throughput"): the campaign's cell trained DTYPE_STEPS
 # steps with float32 and with bfloat16 compute (float32 master weights), DTYPE_SEEDS seeds each, on the campaign's
-# store, every run evaluated on the same float32 held-out split (as at inference). `train.compute_dtype` becomes
-# bfloat16 by default only if the paired held-out sim τ differ by less than seed noise. Every stage resumes (a
+# store, every run evaluated on the same float32 held-out split (as at inference), then the verdict
+# (experiments/paired_runs.py). At 200 steps: paired Δ sim τ +0.007 ± 0.021, steps 1.16x faster, so the configs'
+# `train.compute_dtype` is bfloat16 (BENCHMARKS.md, "Throughput"). Every stage resumes (a
 # finished extraction or run is skipped). After the extraction of `make campaign-train`.
-DTYPE_STEPS ?= 300
+DTYPE_STEPS ?= 200
 DTYPE_SEEDS ?= 0 1 2
 dtype-check: setup
 	$(PY) experiments/extract_features.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --config.features.dir=$(CAMPAIGN)/heldout32 --config.features.splits=heldout \
