@@ -51,3 +51,14 @@ def test_bad_draft_model_values_are_refused():
     options.DraftModelOptions(num_layers=0)
   with pytest.raises(ValueError, match=r"draft_model\.fc_norm must be True or False"):
     options_lib.from_section(options.DraftModelOptions, {"fc_norm": "yes"}, "draft_model")
+
+
+def test_precision_is_not_recipe():
+  recorded = {"seed": 0, "layers": [2, 15, 27], "train": {"lr": 3e-3, "compute_dtype": "float32"}}
+  assert options.same_recipe(recorded, {**recorded, "train": {"lr": 3e-3, "compute_dtype": "bfloat16"}})
+  assert not options.same_recipe(recorded, {**recorded, "train": {"lr": 1e-3, "compute_dtype": "float32"}})
+  assert not options.same_recipe(recorded, {**recorded, "seed": 1})
+  assert options.precision_history(None, "float32", 650, "bfloat16") == [[0, "float32"], [650, "bfloat16"]]
+  assert options.precision_history([[0, "float32"], [650, "bfloat16"]], "bfloat16", 900, "bfloat16") == [
+      [0, "float32"], [650, "bfloat16"]]
+  assert options.precision_history(None, "bfloat16", 5, "bfloat16") == [[0, "bfloat16"]]
