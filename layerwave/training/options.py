@@ -9,6 +9,7 @@ Place in the pipeline: `Recipe.from_config` builds them once from their config s
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 from layerwave import options as options_lib
@@ -229,7 +230,7 @@ def same_recipe(recorded: dict, current: dict) -> bool:
   history)."""
   def strip(settings: dict) -> dict:
     train = {k: v for k, v in (settings.get("train") or {}).items() if k not in TrainOptions.PRECISION}
-    return {**settings, "train": train}
+    return expand_home({**settings, "train": train})
   return options_lib.fingerprint(strip(dict(recorded))) == options_lib.fingerprint(strip(dict(current)))
 
 
@@ -240,3 +241,27 @@ def precision_history(recorded: list | None, recorded_dtype: str, step: int, dty
   if history[-1][1] != dtype:
     history.append([int(step), dtype])
   return history
+
+
+def expand_home(obj):
+  """`obj` with every string's "~/" expanded (releases record paths under the home directory as "~/...", so
+  that a run recorded on one machine compares equal on another whose home differs)."""
+  if isinstance(obj, dict):
+    return {k: expand_home(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [expand_home(v) for v in obj]
+  if isinstance(obj, str) and "~/" in obj:
+    return obj.replace("~/", os.path.expanduser("~") + "/")
+  return obj
+
+
+def home_as_tilde(obj):
+  """`obj` with the home directory in every string written as "~" (the inverse of `expand_home`)."""
+  home = os.path.expanduser("~").rstrip("/") + "/"
+  if isinstance(obj, dict):
+    return {k: home_as_tilde(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [home_as_tilde(v) for v in obj]
+  if isinstance(obj, str) and home != "/" and home in obj:
+    return obj.replace(home, "~/")
+  return obj

@@ -22,8 +22,10 @@ from typing import Any
 from layerwave import atomic
 from layerwave import export as export_lib
 from layerwave import layer_ids
+from layerwave import options as options_lib
 from layerwave.data import distilled
 from layerwave.data import release as answers_release
+from layerwave.training import options as train_options
 from layerwave.inference import Target
 from layerwave.models.draft import Draft
 
@@ -105,6 +107,10 @@ def training_record(meta: dict[str, Any]) -> dict[str, Any]:
   if missing:
     raise ValueError(f"The checkpoint's meta lacks {missing}: it was not written by training.loop.train.")
   record = {k: meta.get(k) for k in TRAINING_FIELDS}
+  # No machine's home in a release: paths under it read "~/..." (and the fingerprint is of what is recorded);
+  # `train_options.same_recipe` expands them where the run continues.
+  record["settings"] = train_options.home_as_tilde(record["settings"])
+  record["config_fingerprint"] = options_lib.fingerprint(record["settings"])
   record["num_steps"] = ((meta.get("config") or {}).get("train") or {}).get("num_steps")
   return record
 

@@ -62,3 +62,13 @@ def test_precision_is_not_recipe():
   assert options.precision_history([[0, "float32"], [650, "bfloat16"]], "bfloat16", 900, "bfloat16") == [
       [0, "float32"], [650, "bfloat16"]]
   assert options.precision_history(None, "bfloat16", 5, "bfloat16") == [[0, "bfloat16"]]
+
+
+def test_a_release_records_the_home_directory_as_tilde_and_compares_on_any_home():
+  import os  # pylint: disable=g-import-not-at-top
+  home = os.path.expanduser("~")
+  run = {"seed": 0, "train": {"lr": 3e-3}, "data": {"source": f"distilled:{home}/runs/campaign/distilled"}}
+  released = options.home_as_tilde(run)
+  assert released["data"]["source"] == "distilled:~/runs/campaign/distilled"
+  assert options.same_recipe(released, run)
+  assert not options.same_recipe(released, {**run, "data": {"source": "distilled:/elsewhere/distilled"}})
