@@ -158,6 +158,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.features.dir = ""  # where the store is written
   c.features.depths = ""  # "" = the layers of `layers` (else every set in `selection.path`), "2,15,27" or "all"
   c.features.dtype = "bfloat16"  # or "float32" (twice the disk); the final-norm state h_L is always stored
+  c.features.compute_dtype = ""  # "" = `dtype` (float32); "bfloat16" computes the features in bf16 (make extract-dtype-check)
   c.features.shard_sequences = 256  # sequences per shard
   c.features.batch_size = 8  # sequences per forward (divisible by the mesh's data axis)
   c.features.splits = "train,heldout"

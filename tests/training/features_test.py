@@ -24,6 +24,7 @@ import layerwave
 from layerwave import checkpoint as ckpt_lib
 from layerwave import data as data_lib
 from layerwave import inference
+from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
 from layerwave.models.draft import Draft, DraftConfig
@@ -168,6 +169,43 @@ def test_bfloat16_store_round_trips_within_bfloat16_precision(store32, target, d
       assert not np.array_equal(x, y)  # really rounded
     for key in ("argmax", "input_ids", "assistant_mask"):
       np.testing.assert_array_equal(a[i][key], b[i][key])
+
+
+def test_bfloat16_computed_store_serves_the_float32_target_and_says_so(store32, target, dataset, tmp_path,
+                                                                        tiny_chat_target_dir):
+  bf16 = layerwave.load_target(tiny_chat_target_dir, dtype="bfloat16")
+  out = tmp_path / "computed16"
+  _extract(target, dataset, out, compute_target=bf16)
+  a, b = features.open_store(store32), features.open_store(str(out))
+  # The draft it trains serves the float32 target: same fingerprint and dtype, the forward's dtype recorded.
+  assert b.header["target_fingerprint"] == a.header["target_fingerprint"]
+  assert b.header["target"]["dtype"] == "float32" and b.header["compute_dtype"] == "bfloat16"
+  assert "compute_dtype" not in a.header and b.fingerprint != a.fingerprint
+  # A store written before the field existed keeps its fingerprint (the campaign's store resumes).
+  legacy = {k: a.header.get(k) for k in store_lib.CONTRACT if k != "compute_dtype"}
+  assert a.fingerprint == options_lib.fingerprint(
+      {"header": legacy, "splits": {s: [dataclasses.astuple(x) for x in v] for s, v in sorted(a.splits.items())}})
+  x, y = a.split("train"), b.split("train")
+  err = max(float(np.abs(np.asarray(y[i]["hidden"]) - np.asarray(x[i]["hidden"])).max()
+                  / np.abs(np.asarray(x[i]["hidden"])).max()) for i in range(len(x)))
+  assert 0 < err < 0.1  # computed in bf16: close to float32, not equal
+  for i in range(len(x)):
+    np.testing.assert_array_equal(x[i]["input_ids"], y[i]["input_ids"])
+  # Resuming it with a float32 forward is another store; another checkpoint as compute_target is refused.
+  with pytest.raises(store_lib.StoreError, match=r"other settings \(differing: compute_dtype\)"):
+    _extract(target, dataset, out)
+  other = dataclasses.replace(bf16, config=dataclasses.replace(bf16.config, num_layers=bf16.config.num_layers - 1))
+  with pytest.raises(ValueError, match="compute_target must be the target's own checkpoint"):
+    _extract(target, dataset, tmp_path / "other", compute_target=other)
+  # A float32 run trains on it (one step): the store stands in for its target.
+  c = tiny_config(tiny_chat_target_dir, features=str(out), num_steps=1, eval_every=1, checkpoint_every=1)
+  result = loop.run(c, str(tmp_path / "run"))
+  assert result["step"] == 1 and np.isfinite(result["heldout_sim_tau"])
+
+
+def test_features_options_refuse_an_unknown_compute_dtype():
+  with pytest.raises(ValueError, match=r"features\.compute_dtype must be '' \(the target's config\.dtype\)"):
+    extraction.FeatureOptions(dir="x", compute_dtype="int8")
 
 
 def test_extraction_resumes_after_a_kill_with_identical_content(store32, target, dataset, tmp_path,

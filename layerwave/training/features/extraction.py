@@ -69,7 +69,12 @@ class FeatureOptions:
     dir: the store directory (training reads it with `--config.train.features=DIR`).
     depths: "" = the layers of `config.layers` (or the union of every set in `selection.path`), a list
       "2,15,27", or "all" (0..L). L is always stored (h_L feeds the loss).
-    dtype: "bfloat16" (default, half the disk) or "float32".
+    dtype: "bfloat16" (default, half the disk) or "float32": how the features are *stored*.
+    compute_dtype: "" = the target's own `config.dtype`; "bfloat16" runs the extraction forward on a bfloat16
+      copy of the target (1.5-1.6x faster on this CPU, BENCHMARKS.md "Throughput") while the store still
+      serves drafts of the `config.dtype` target (its fingerprint; the header records `compute_dtype`, so a
+      run's store fingerprint tells the two apart). What it changes in the draft is measured by
+      `make extract-dtype-check`.
     shard_sequences: sequences per shard file.
     batch_size: global batch of the extraction forward (divisible by the mesh's data axis).
     splits: which splits of the chat dataset, "train,heldout".
@@ -78,6 +83,7 @@ class FeatureOptions:
   dir: str = ""
   depths: str = ""
   dtype: str = "bfloat16"
+  compute_dtype: str = ""
   shard_sequences: int = 256
   batch_size: int = 8
   splits: str = "train,heldout"
@@ -86,6 +92,9 @@ class FeatureOptions:
     if self.dtype not in store_lib.DTYPES:
       raise ValueError(f"features.dtype must be one of {sorted(store_lib.DTYPES)}, got {self.dtype!r}; set "
                        "--config.features.dtype=bfloat16.")
+    if self.compute_dtype not in ("", "float32", "bfloat16", "float16"):
+      raise ValueError(f"features.compute_dtype must be '' (the target's config.dtype), 'float32', 'bfloat16' or "
+                       f"'float16', got {self.compute_dtype!r}.")
     for name in ("shard_sequences", "batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"features.{name} must be >= 1, got {getattr(self, name)}.")
@@ -155,11 +164,14 @@ def _dir_bytes(path: str) -> int:
 
 def make_header(target: Target, dataset: tfds_builders.ChatDataset, *, depths: Sequence[int], dtype: str,
                 shard_sequences: int, process_count: int, data: Mapping[str, Any] | None,
-                model: str = "") -> dict[str, Any]:
-  """The store's manifest header (`store.CONTRACT` plus what is informational)."""
+                model: str = "", compute_dtype: str = "") -> dict[str, Any]:
+  """The store's manifest header (`store.CONTRACT` plus what is informational); `compute_dtype` only when the
+  forward ran in another dtype than the target's own."""
   c = target.config
   all_depths = sorted(set(depths) | {c.num_layers})
-  return {
+  own = target_dtype_name(target)
+  extra = {"compute_dtype": compute_dtype} if compute_dtype and compute_dtype != own else {}
+  return extra | {
       "format_version": store_lib.FORMAT_VERSION,
       "target_fingerprint": target_fingerprint(target),
       "tokenizer_fingerprint": tfds_builders.tokenizer_fingerprint(target.tokenizer),
@@ -230,7 +242,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
             dtype: str = "bfloat16", splits: Sequence[str] = SPLITS, batch_size: int = 8,
             shard_sequences: int = 256, data: Mapping[str, Any] | None = None, model: str = "",
             process_index: int | None = None, process_count: int | None = None,
-            log_every_s: float = 30.0) -> dict[str, Any]:
+            log_every_s: float = 30.0, compute_target: Target | None = None) -> dict[str, Any]:
   """Runs the frozen target over `dataset` once and writes (or completes) a feature store at `out_dir`.
 
   Args:
@@ -246,6 +258,8 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
     model: the target's spec, recorded for people.
     process_index, process_count: this process and their number; default jax's.
     log_every_s: progress log interval.
+    compute_target: the same checkpoint loaded in another dtype (e.g. bfloat16) to run the forward with;
+      the store still serves `target` (its fingerprint and dtype) and records `compute_dtype`.
 
   Returns:
     A summary: the header, per-split counts of this process, tokens/s of this run and the store's bytes.
@@ -264,8 +278,16 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
     raise ValueError(f"features.batch_size={batch_size} must be divisible by the process count {n_proc}.")
   local = batch_size // n_proc
   sharding.check_batch(target.mesh, local * jax.process_count())
+  compute_dtype = ""
+  if compute_target is not None:
+    if (compute_target.config.identity() != c.identity() or
+        jax.tree_util.tree_structure(compute_target.params) != jax.tree_util.tree_structure(target.params)):
+      raise ValueError("compute_target must be the target's own checkpoint loaded in another dtype.")
+    compute_dtype = target_dtype_name(compute_target)
+  else:
+    compute_target = target
   header = make_header(target, dataset, depths=depths, dtype=dtype, shard_sequences=shard_sequences,
-                       process_count=n_proc, data=data, model=model)
+                       process_count=n_proc, data=data, model=model, compute_dtype=compute_dtype)
   os.makedirs(out_dir, exist_ok=True)
   manifest = os.path.join(out_dir, store_lib.MANIFEST)
   if os.path.exists(manifest):
@@ -344,7 +366,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
         batch = collator.collate(_fetch(source, idx), idx, batching.Position(), shape=(local, width))
         tokens = jax.make_array_from_process_local_data(rows, batch.input_ids)
         mask = jax.make_array_from_process_local_data(rows, batch.attention_mask)
-        hidden, final, argmax = fn(target.params, tokens, mask)
+        hidden, final, argmax = fn(compute_target.params, tokens, mask)
         hidden, final, argmax = _host_local(hidden, 1), _host_local(final, 0), _host_local(argmax, 0)
         for r in range(len(idx)):
           m = int(batch.attention_mask[r].sum())
@@ -439,6 +461,9 @@ def run(config) -> dict[str, Any]:
   depths = store_lib.parse_depths(opts.depths, target.config.num_layers,
                                   default=default_depths(config, target.config.num_layers))
   dataset = data.build(target.tokenizer)
+  compute_target = None
+  if opts.compute_dtype and opts.compute_dtype != target_dtype_name(target):
+    compute_target = load_target(config.model, dtype=opts.compute_dtype, mesh=mesh)
   return extract(target, dataset, opts.dir, depths=depths, dtype=opts.dtype, splits=opts.split_names,
                  batch_size=opts.batch_size, shard_sequences=opts.shard_sequences,
-                 data=data.record(), model=config.model)
+                 data=data.record(), model=config.model, compute_target=compute_target)

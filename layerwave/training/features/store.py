@@ -49,7 +49,11 @@ DTYPES = {"bfloat16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
           "float32": (np.dtype(np.float32), np.dtype(np.float32))}  # name -> (in memory, on disk)
 # Header fields a resumed extraction must share with the store it continues.
 CONTRACT = ("format_version", "target_fingerprint", "tokenizer_fingerprint", "target", "dataset", "data",
-            "depths", "stored_depths", "dtype", "hidden_size", "seq_len", "shard_sequences", "process_count")
+            "depths", "stored_depths", "dtype", "hidden_size", "seq_len", "shard_sequences", "process_count",
+            "compute_dtype")
+# Contract fields a header carries only when they differ from their default (absent = the target's own dtype),
+# so that stores written before they existed keep their fingerprint and resume.
+OPTIONAL_CONTRACT = ("compute_dtype",)
 _TOKEN_FIELDS = {"argmax": np.int32, "input_ids": np.int32, "assistant_mask": np.uint8}
 
 
@@ -254,7 +258,8 @@ class FeatureStore:
   @property
   def fingerprint(self) -> str:
     """A hash of the contract and the shard list: recorded in training checkpoints, checked on resume."""
-    return options_lib.fingerprint({"header": {k: self.header.get(k) for k in CONTRACT},
+    return options_lib.fingerprint({"header": {k: self.header.get(k) for k in CONTRACT
+                                               if k in self.header or k not in OPTIONAL_CONTRACT},
                                     "splits": {s: [dataclasses.astuple(x) for x in v]
                                                for s, v in sorted(self.splits.items())}})
 
