@@ -189,8 +189,13 @@ def test_bfloat16_computed_store_serves_the_float32_target_and_says_so(store32, 
   err = max(float(np.abs(np.asarray(y[i]["hidden"]) - np.asarray(x[i]["hidden"])).max()
                   / np.abs(np.asarray(x[i]["hidden"])).max()) for i in range(len(x)))
   assert 0 < err < 0.1  # computed in bf16: close to float32, not equal
+  # ... and exactly what the bfloat16 target computes on its own (activations in bf16, not only its weights).
+  _extract(bf16, dataset, tmp_path / "own16")
+  z = features.open_store(str(tmp_path / "own16")).split("train")
   for i in range(len(x)):
     np.testing.assert_array_equal(x[i]["input_ids"], y[i]["input_ids"])
+    for key in ("hidden", "final", "argmax"):
+      np.testing.assert_array_equal(np.asarray(y[i][key]), np.asarray(z[i][key]))
   # Resuming it with a float32 forward is another store; another checkpoint as compute_target is refused.
   with pytest.raises(store_lib.StoreError, match=r"other settings \(differing: compute_dtype\)"):
     _extract(target, dataset, out)

@@ -322,7 +322,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
                   f"{_gib(free)} are free there. Free space, store fewer depths (--config.features.depths) or "
                   "bfloat16, or train online without a store (leave train.features unset).")
 
-  fn = _forward(target.mesh, target.graphdef, tuple(header["stored_depths"]),
+  fn = _forward(compute_target.mesh, compute_target.graphdef, tuple(header["stored_depths"]),
                 jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
   rows = NamedSharding(target.mesh, P("data"))
   pad_id = int(target.tokenizer.pad_token_id or 0)
