@@ -323,14 +323,15 @@ def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid):
   g = k0.shape[2]
   q = q.reshape(b, t, g, h // g, dh)  # r = H / G query heads per key/value head; j indexes steps
   scale = 1.0 / np.sqrt(dh)
-  s0 = jnp.einsum("btgrd,bsgd->bgrts", q, k0, preferred_element_type=jnp.float32) * scale
+  # Float32 accumulation; in bfloat16 the backward einsums read bf16 operands too (`layers.einsum_low`).
+  s0 = layers.einsum_low("btgrd,bsgd->bgrts", q, k0) * scale
   s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
-  sd = jnp.einsum("btgrd,jbtgd->bgrtj", q, kd, preferred_element_type=jnp.float32) * scale
+  sd = layers.einsum_low("btgrd,jbtgd->bgrtj", q, kd) * scale
   sd = jnp.where(diag_valid, sd, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)
   p0, pd = probs[..., :t].astype(v0.dtype), probs[..., t:].astype(vd.dtype)
-  out = (jnp.einsum("bgrts,bsgd->btgrd", p0, v0, preferred_element_type=jnp.float32)
-         + jnp.einsum("bgrtj,jbtgd->btgrd", pd, vd, preferred_element_type=jnp.float32)).astype(v0.dtype)
+  out = (layers.einsum_low("bgrts,bsgd->btgrd", p0, v0)
+         + layers.einsum_low("bgrtj,jbtgd->btgrd", pd, vd)).astype(v0.dtype)
   return out.reshape(b, t, h, dh)
 
 

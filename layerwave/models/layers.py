@@ -12,6 +12,7 @@ Legend (`layerwave.axes`): B batch, T tokens, S cache slots, H query heads, G ke
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -23,8 +24,93 @@ from flax import nnx
 Array = jax.Array
 
 
+@jax.custom_vjp
+def matmul_low(x: Array, kernel: Array) -> Array:
+  """`x @ kernel` for a low-precision `x` (bfloat16): the kernel cast to x's dtype, accumulated in float32.
+
+  The backward pass keeps the same precision: its two dots read the incoming cotangent rounded to x's dtype
+  (as mixed-precision training does), so they too run as bf16 x bf16 -> f32, where autodiff of the forward
+  would mix a float32 cotangent with a bf16 operand and XLA:CPU would convert both to float32 (BENCHMARKS.md,
+  "Throughput"). dx is returned in x's dtype; the kernel's gradient is accumulated in float32 and returned in
+  the kernel's own dtype, so float32 master weights get a float32 gradient.
+
+  Args:
+    x: `[..., in]` bfloat16 (or float16) activations.
+    kernel: `[in, out]` parameters of any floating dtype.
+
+  Returns:
+    `[..., out]` float32.
+  """
+  return jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _matmul_low_fwd(x, kernel):
+  return matmul_low(x, kernel), (x, kernel)
+
+
+def _row_major_transpose(x: Array) -> Array:
+  """`x.T` for a 2-D `x`, written so that XLA materialises it row-major.
+
+  A plain transpose feeding a dot is folded into the dot's dimension numbers, and XLA:CPU converts a bf16 dot
+  that contracts its lhs' leading dimension to float32 (BENCHMARKS.md, "Throughput": the weight gradient
+  x^T g ran at float32 speed). Splitting the rows into blocks of 16 first makes it a real copy (same values).
+  """
+  n, k = x.shape
+  block = next((b for b in (16, 8, 4, 2) if n % b == 0), 1)
+  if block == 1:
+    return x.T
+  return x.reshape(n // block, block, k).transpose(2, 0, 1).reshape(k, n)
+
+
+def _matmul_low_bwd(res, g):
+  x, kernel = res
+  low = x.dtype
+  g = g.astype(low)
+  w = kernel.astype(low)
+  dx = jnp.dot(g, _row_major_transpose(w), preferred_element_type=jnp.float32).astype(low)
+  x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+  dw = jnp.dot(_row_major_transpose(x2), g2, preferred_element_type=jnp.float32).astype(kernel.dtype)
+  return dx, dw
+
+
+matmul_low.defvjp(_matmul_low_fwd, _matmul_low_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_low(spec: str, a: Array, b: Array) -> Array:
+  """`jnp.einsum(spec, a, b)` accumulated in float32, with a backward pass in the operands' precision.
+
+  As `matmul_low`: the cotangent is rounded to the operands' dtype, so both transposed einsums also read
+  low-precision operands. For float32 operands it is plain float32 einsum with its exact gradient. `spec` has
+  two operands, no repeated index within one, and every index of an operand appears in the output or in the
+  other operand (attention's score and value einsums).
+
+  Returns:
+    float32.
+  """
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_low_fwd(spec, a, b):
+  return einsum_low(spec, a, b), (a, b)
+
+
+def _einsum_low_bwd(spec, res, g):
+  a, b = res
+  ins, out = spec.replace(" ", "").split("->")
+  sa, sb = ins.split(",")
+  low = a.dtype if jnp.finfo(a.dtype).bits <= jnp.finfo(b.dtype).bits else b.dtype
+  g = g.astype(low)
+  da = jnp.einsum(f"{out},{sb}->{sa}", g, b.astype(low), preferred_element_type=jnp.float32)
+  db = jnp.einsum(f"{sa},{out}->{sb}", a.astype(low), g, preferred_element_type=jnp.float32)
+  return da.astype(a.dtype), db.astype(b.dtype)
+
+
+einsum_low.defvjp(_einsum_low_fwd, _einsum_low_bwd)
+
+
 class Linear(nnx.Module):
-  """`y = x @ kernel (+ bias)`, kernel `[in, out]`."""
+  """`y = x @ kernel (+ bias)`, kernel `[in, out]`; a bfloat16 `x` runs through `matmul_low`."""
 
   def __init__(self, d_in: int, d_out: int, *, use_bias: bool = False, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -35,7 +121,12 @@ class Linear(nnx.Module):
   def __call__(self, x: Array) -> Array:
     # Accumulated in float32 and returned in x's dtype. For bfloat16 x this also lets XLA:CPU keep the
     # bfloat16 operands in its library matmul; without it the dot is converted to float32 (BENCHMARKS.md).
-    y = jnp.dot(x, self.kernel[...].astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    kernel = self.kernel[...]
+    if x.dtype == jnp.float32:
+      y = jnp.dot(x, kernel.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+      y = matmul_low(x, kernel)
+    y = y.astype(x.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(y.dtype)
     return y

@@ -1,7 +1,9 @@
 """layerwave.models.layers against float64 numpy: linear, RMSNorm, RoPE frequencies and rotation, GQA, MLP."""
 
 import math
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +25,69 @@ def test_linear_is_x_at_kernel_plus_bias():
   kernel, bias = np.asarray(lin.kernel[...], np.float64), np.asarray(lin.bias[...], np.float64)
   assert kernel.shape == (5, 3)
   np.testing.assert_allclose(lin(jnp.asarray(x)), x @ kernel + bias, rtol=1e-5, atol=1e-5)
+
+
+def _bf16(x):
+  """x rounded to bfloat16 and back to float64 (what a bf16 operand holds)."""
+  return np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+
+
+def test_low_precision_matmul_gradients_are_the_exact_ones_of_rounded_operands():
+  """`matmul_low`: forward and both gradients equal float64 math on bf16-rounded operands and cotangent, the
+  kernel's gradient in the kernel's float32 and dx in x's bfloat16; XLA keeps all three dots in bf16."""
+  x = jnp.asarray(RNG.normal(size=(2, 6, 8)), jnp.bfloat16)
+  w = jnp.asarray(RNG.normal(size=(8, 5)), jnp.float32)
+  g = RNG.normal(size=(2, 6, 5))
+  y, vjp = jax.vjp(layers.matmul_low, x, w)
+  dx, dw = vjp(jnp.asarray(g, jnp.float32))
+  xs, ws, gs = np.asarray(x, np.float64), _bf16(w), _bf16(g)
+  assert y.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  np.testing.assert_allclose(y, xs @ ws, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dx, np.float64), _bf16(gs @ ws.T), rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(dw, np.einsum("bti,bto->io", xs, gs), rtol=1e-5, atol=1e-5)
+  hlo = jax.jit(jax.grad(lambda x, w: layers.matmul_low(x, w).sum(), argnums=(0, 1))).lower(x, w).as_text()
+  operands = re.findall(r"dot_general.*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", hlo)
+  assert len(operands) == 2 and all("bf16" in a and "bf16" in b for a, b in operands)  # both backward dots
+  if jax.default_backend() == "cpu":  # and XLA:CPU keeps them bf16 (a folded transpose would upcast dw's dot)
+    big = (jnp.asarray(RNG.normal(size=(512, 256)), jnp.bfloat16),
+           jnp.asarray(RNG.normal(size=(256, 128)), jnp.float32),
+           jnp.asarray(RNG.normal(size=(512, 128)), jnp.float32))
+    text = jax.jit(lambda x, w, g: jax.vjp(layers.matmul_low, x, w)[1](g)).lower(*big).compile().as_text()
+    # Each dot sits in its own fused computation, whose parameters carry the operand types.
+    assert text.count(" dot(") == 2
+    for computation in text.split("\n\n"):
+      if " dot(" in computation:
+        operands = re.search(r"\bdot\((%[\w.\-]+), (%[\w.\-]+)\)", computation).groups()
+        types = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", computation))
+        assert [types[o] for o in operands] == ["bf16", "bf16"], computation
+  # A float32 Linear keeps plain float32 autodiff; a bfloat16 one goes through matmul_low.
+  lin = layers.Linear(8, 5, rngs=nnx.Rngs(1))
+  np.testing.assert_allclose(jax.grad(lambda x: lin(x).sum())(jnp.asarray(xs, jnp.float32)),
+                             np.broadcast_to(np.asarray(lin.kernel[...]).sum(1), (2, 6, 8)), rtol=1e-5)
+  assert lin(x).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("spec, a_shape, b_shape", [
+    ("btgrd,bsgd->bgrts", (2, 5, 2, 3, 4), (2, 5, 2, 4)),
+    ("bgrts,bsgd->btgrd", (2, 2, 3, 5, 5), (2, 5, 2, 4)),
+    ("btgrd,jbtgd->bgrtj", (2, 5, 2, 3, 4), (3, 2, 5, 2, 4)),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_low_precision_einsum_matches_float64_einsum_and_its_gradients(spec, a_shape, b_shape, dtype):
+  a = jnp.asarray(RNG.normal(size=a_shape), dtype)
+  b = jnp.asarray(RNG.normal(size=b_shape), dtype)
+  out, vjp = jax.vjp(lambda a, b: layers.einsum_low(spec, a, b), a, b)
+  g = RNG.normal(size=out.shape)
+  da, db = vjp(jnp.asarray(g, jnp.float32))
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  g64 = g if dtype == jnp.float32 else _bf16(g)
+  ins, o = spec.split("->")
+  sa, sb = ins.split(",")
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  assert out.dtype == jnp.float32 and da.dtype == dtype and db.dtype == dtype
+  np.testing.assert_allclose(out, np.einsum(spec, a64, b64), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(da, np.float64), np.einsum(f"{o},{sb}->{sa}", g64, b64), rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(db, np.float64), np.einsum(f"{sa},{o}->{sb}", a64, g64), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
