@@ -196,6 +196,15 @@ def test_bfloat16_computed_store_serves_the_float32_target_and_says_so(store32, 
     np.testing.assert_array_equal(x[i]["input_ids"], y[i]["input_ids"])
     for key in ("hidden", "final", "argmax"):
       np.testing.assert_array_equal(np.asarray(y[i][key]), np.asarray(z[i][key]))
+  # The held-out split stands for inference: computed by the float32 target itself, bit for bit.
+  h32, h16 = a.split("heldout"), b.split("heldout")
+  assert len(h16) == len(h32) > 0
+  for i in range(len(h32)):
+    for key in ("hidden", "final", "argmax", "input_ids"):
+      np.testing.assert_array_equal(np.asarray(h16[i][key]), np.asarray(h32[i][key]))
+  # A held-out-only store runs no bf16 forward, so it is the float32 target's own (same contract).
+  _extract(target, dataset, tmp_path / "heldout-only", splits=("heldout",), compute_target=bf16)
+  assert "compute_dtype" not in features.open_store(str(tmp_path / "heldout-only")).header
   # Resuming it with a float32 forward is another store; another checkpoint as compute_target is refused.
   with pytest.raises(store_lib.StoreError, match=r"other settings \(differing: compute_dtype\)"):
     _extract(target, dataset, out)

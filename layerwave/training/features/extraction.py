@@ -70,11 +70,12 @@ class FeatureOptions:
     depths: "" = the layers of `config.layers` (or the union of every set in `selection.path`), a list
       "2,15,27", or "all" (0..L). L is always stored (h_L feeds the loss).
     dtype: "bfloat16" (default, half the disk) or "float32": how the features are *stored*.
-    compute_dtype: "" = the target's own `config.dtype`; "bfloat16" runs the extraction forward on a bfloat16
-      copy of the target (1.5-1.6x faster on this CPU, BENCHMARKS.md "Throughput") while the store still
-      serves drafts of the `config.dtype` target (its fingerprint; the header records `compute_dtype`, so a
-      run's store fingerprint tells the two apart). What it changes in the draft is measured by
-      `make extract-dtype-check`.
+    compute_dtype: "" = the target's own `config.dtype`; "bfloat16" runs the training split's extraction
+      forward on a bfloat16 copy of the target (1.3-1.6x faster on this CPU, BENCHMARKS.md "Throughput") while
+      the store still serves drafts of the `config.dtype` target (its fingerprint; the header records
+      `compute_dtype`, so a run's store fingerprint tells the two apart). The held-out split is always
+      computed in `config.dtype`: it stands for inference, where the draft reads the target's own states.
+      What bf16 changes in the draft is measured by `make extract-dtype-check` (within seed noise).
     shard_sequences: sequences per shard file.
     batch_size: global batch of the extraction forward (divisible by the mesh's data axis).
     splits: which splits of the chat dataset, "train,heldout".
@@ -258,8 +259,9 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
     model: the target's spec, recorded for people.
     process_index, process_count: this process and their number; default jax's.
     log_every_s: progress log interval.
-    compute_target: the same checkpoint loaded in another dtype (e.g. bfloat16) to run the forward with;
-      the store still serves `target` (its fingerprint and dtype) and records `compute_dtype`.
+    compute_target: the same checkpoint loaded in another dtype (e.g. bfloat16) to run the training split's
+      forward with; the store still serves `target` (its fingerprint and dtype) and records `compute_dtype`.
+      The held-out split is always computed by `target` itself (it stands for inference).
 
   Returns:
     A summary: the header, per-split counts of this process, tokens/s of this run and the store's bytes.
@@ -279,6 +281,8 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
   local = batch_size // n_proc
   sharding.check_batch(target.mesh, local * jax.process_count())
   compute_dtype = ""
+  if "train" not in splits:
+    compute_target = None  # only the training split runs on it (a held-out-only store is the target's own)
   if compute_target is not None:
     if (compute_target.config.identity() != c.identity() or
         jax.tree_util.tree_structure(compute_target.params) != jax.tree_util.tree_structure(target.params)):
@@ -322,8 +326,14 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
                   f"{_gib(free)} are free there. Free space, store fewer depths (--config.features.depths) or "
                   "bfloat16, or train online without a store (leave train.features unset).")
 
-  fn = _forward(compute_target.mesh, compute_target.graphdef, tuple(header["stored_depths"]),
-                jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+  store_dtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+  # The held-out split stands for inference, where the draft reads the target's own states: it is always
+  # computed by `target`; only the training split runs on `compute_target` (BENCHMARKS.md, "Throughput").
+  runs = {split: target if split == "heldout" else compute_target for split in splits}
+  forwards = {}
+  for t in runs.values():
+    if id(t) not in forwards:
+      forwards[id(t)] = (t, _forward(t.mesh, t.graphdef, tuple(header["stored_depths"]), store_dtype))
   rows = NamedSharding(target.mesh, P("data"))
   pad_id = int(target.tokenizer.pad_token_id or 0)
   seq_len = header["seq_len"]
@@ -336,6 +346,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
   last_log = tic
   for split in splits:
     source = dataset.source(split)
+    forward_target, fn = forwards[id(runs[split])]
     n = len(source)
     mine = np.arange(p, n, n_proc, dtype=np.int64)
     largest = len(range(0, n, n_proc))  # process 0's slice: every process runs as many batches
@@ -366,7 +377,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
         batch = collator.collate(_fetch(source, idx), idx, batching.Position(), shape=(local, width))
         tokens = jax.make_array_from_process_local_data(rows, batch.input_ids)
         mask = jax.make_array_from_process_local_data(rows, batch.attention_mask)
-        hidden, final, argmax = fn(compute_target.params, tokens, mask)
+        hidden, final, argmax = fn(forward_target.params, tokens, mask)
         hidden, final, argmax = _host_local(hidden, 1), _host_local(final, 0), _host_local(argmax, 0)
         for r in range(len(idx)):
           m = int(batch.attention_mask[r].sum())
