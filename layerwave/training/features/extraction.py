@@ -473,7 +473,7 @@ def run(config) -> dict[str, Any]:
                                   default=default_depths(config, target.config.num_layers))
   dataset = data.build(target.tokenizer)
   compute_target = None
-  if opts.compute_dtype and opts.compute_dtype != target_dtype_name(target):
+  if opts.compute_dtype and opts.compute_dtype != target_dtype_name(target) and "train" in opts.split_names:
     compute_target = load_target(config.model, dtype=opts.compute_dtype, mesh=mesh)
   return extract(target, dataset, opts.dir, depths=depths, dtype=opts.dtype, splits=opts.split_names,
                  batch_size=opts.batch_size, shard_sequences=opts.shard_sequences,
