@@ -194,6 +194,37 @@ knob-check: setup
 	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=bfloat16 --b=$(KNOB) --field=$(KNOB_FIELD) \
 	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/dtype/summary-$(KNOB)
 
+# Issue 22's third recipe question, where it can matter: once the target's answers run out. ShareGPT's own
+# answers cost a forward through the target (no generation). A data-limited cell, the first EXTRA_SEQUENCES
+# conversations of the campaign store trained EXTRA_STEPS steps (~6 epochs), three ways, DTYPE_SEEDS seeds each,
+# every run scored on the campaign's float32 held-out split: alone ("limited"); with the train split of
+# EXTRA_RECORDS ShareGPT conversations beside it ("sharegpt", mixed by count, train.extra_features); and on 4x
+# as many distilled conversations ("distilled4x", what more generation would buy at the same steps). Then both
+# paired against "limited" (~30 min extraction + ~15 min a run, quiet). After `make dtype-check`'s extraction.
+EXTRA_SEQUENCES ?= 768
+EXTRA_STEPS ?= 300
+EXTRA_RECORDS ?= 3000
+EXTRA_ARM_FLAGS = $(if $(filter sharegpt,$(1)),--config.train.extra_features=$(CAMPAIGN)/sharegpt-features) \
+	--config.train.max_sequences=$(if $(filter distilled4x,$(1)),$(shell echo $$((4 * $(EXTRA_SEQUENCES)))),$(EXTRA_SEQUENCES))
+extra-check: setup
+	$(PY) experiments/extract_features.py --config=configs/smollm2_135m.py:recipe --config.data.source=sharegpt \
+	    --config.data.max_records=$(EXTRA_RECORDS) --config.layers=2,15,27 --config.features.splits=train \
+	    --config.features.dir=$(CAMPAIGN)/sharegpt-features
+	for seed in $(DTYPE_SEEDS); do \
+	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/limited-seed$$seed $(call EXTRA_ARM_FLAGS,limited) \
+	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
+	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; \
+	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/sharegpt-seed$$seed $(call EXTRA_ARM_FLAGS,sharegpt) \
+	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
+	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; \
+	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/distilled4x-seed$$seed $(call EXTRA_ARM_FLAGS,distilled4x) \
+	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
+	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; done
+	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/extra --a=limited --b=sharegpt --field=train.extra_features \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/extra/summary-sharegpt
+	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/extra --a=limited --b=distilled4x --field=train.max_sequences \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/extra/summary-distilled4x
+
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
 # store of every depth of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32;

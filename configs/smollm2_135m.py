@@ -144,6 +144,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.eval_ttt_steps = 0  # held-out evaluation depth (0 = ttt_steps)
   c.train.eval_features = ""  # evaluate on this store's heldout split (default: train.features')
   c.train.features = ""  # a feature store (experiments/extract_features.py): train offline, no target in the step
+  c.train.max_sequences = 0  # only the first N sequences of the store's train split (0 = all): data-limited runs
+  c.train.extra_features = ""  # stores of other text whose train splits are read beside train.features' (options.py)
   c.train.bucket_widths = ()  # length buckets, e.g. (128, 256): short sequences in wider batches, less padding
   # The draft's passes in training: bfloat16 with float32 master weights, gradients and optimizer state. Measured
   # on the campaign's cell (make dtype-check, BENCHMARKS.md "Throughput"): held-out sim τ paired by seed +0.007 ±

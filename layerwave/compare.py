@@ -307,7 +307,9 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out = {"model": config.model, "dtype": config.dtype}
   out["compare"] = {k: v for k, v in dataclasses.asdict(cmp).items() if k not in _GROWABLE}
   train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
-  out["train"] = {k: v for k, v in train.items() if k not in _RUN_LENGTH}
+  # Fields added later enter only when set, so that a sweep recorded before them still resumes.
+  out["train"] = {k: v for k, v in train.items() if k not in _RUN_LENGTH and not (
+      k in ("max_sequences", "extra_features") and not v)}
   out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
                                                                    "draft_model"))
   out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()

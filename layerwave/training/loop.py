@@ -127,6 +127,35 @@ def load_store(path: str, data: DataOptions, target: Target, record: layer_ids.L
   return store, train, heldout
 
 
+def load_extra_store(path: str, store, data: DataOptions, target: Target, record: layer_ids.LayerSelection,
+                     target_dtype: str):
+  """Opens one of `train.extra_features`: checked as `train.eval_features` is (its own data; the target,
+  tokenizer, layers and length as this run's), and against `store`, the run's own: the same layer slots, and
+  the same train / held-out split of conversations (`data.heldout_fraction`, `data.split_seed`), so that its
+  train split holds none of the conversations `store` holds out. Returns (store, its train split).
+
+  Raises:
+    features.StoreError: it cannot be trained from beside `store`; the message says what to extract.
+  """
+  extra, train, _ = load_store(path, data, target, record, target_dtype, own_data=True)
+  if train is None:
+    raise features_lib.StoreError(f"train.extra_features: {path} has no 'train' sequences; extract it with "
+                                  "--config.features.splits=train (or train,heldout).")
+  theirs = extra.header.get("data", {})
+  for key in ("heldout_fraction", "split_seed"):
+    if theirs.get(key) != getattr(data, key):
+      raise features_lib.StoreError(
+          f"train.extra_features: {path} split its conversations with data.{key}={theirs.get(key)}, this run "
+          f"with {getattr(data, key)}: its train split could hold conversations this run holds out. Extract it "
+          f"again with --config.data.{key}={getattr(data, key)}.")
+  if extra.layer_slots(record.ids) != store.layer_slots(record.ids):
+    raise features_lib.StoreError(
+        f"train.extra_features: {path} stores the depths {extra.header.get('stored_depths')}, "
+        f"{store.path} {store.header.get('stored_depths')}: stores trained from together must lay out the "
+        f"layers {list(record.ids)} alike. Extract it with --config.features.depths as {store.path} was.")
+  return extra, train
+
+
 def target_head(target: Target) -> jax.Array:
   """The target's LM head as `[D, V]` (the transposed embedding when tied)."""
   tp = target.params
@@ -281,7 +310,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   mesh = target.mesh
   dtype = _dtype_name(target)
   sharding.check_batch(mesh, t.batch_size)
-  store = None
+  store, extras = None, []
   if t.features:
     store, train_source, heldout = load_store(t.features, data, target, record, dtype)
     if train_source is None:
@@ -290,6 +319,20 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
           "store extracted with --config.features.splits=train,heldout; a held-out-only store serves "
           "train.eval_features.")
     dataset_name = store.header["dataset"]
+    if t.max_sequences:
+      if t.max_sequences > len(train_source):
+        raise ValueError(f"train.max_sequences={t.max_sequences} but {t.features} holds {len(train_source)} train "
+                         f"sequences; set --config.train.max_sequences={len(train_source)} or fewer (0 = all).")
+      train_source = train_source.head(t.max_sequences)
+    extras = [load_extra_store(path, store, data, target, record, dtype) for path in t.extra_feature_dirs]
+    seen = [store.fingerprint] + [e.fingerprint for e, _ in extras]
+    if len(set(seen)) < len(seen):
+      raise features_lib.StoreError(f"train.extra_features={t.extra_features} names a store twice (or "
+                                    f"train.features' own, {t.features}); give each store once.")
+    if extras:
+      train_source = features_lib.JoinedSplit([train_source] + [split for _, split in extras])
+      logging.info("Training split: %d sequences of %s and %s.", train_source.sizes[0], t.features, ", ".join(
+          f"{n} of {e.path}" for n, (e, _) in zip(train_source.sizes[1:], extras)))
     if t.eval_features:
       _, _, heldout = load_store(t.eval_features, data, target, record, dtype, own_data=True)
       if heldout is None:
@@ -298,7 +341,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   else:
     dataset, train_source, heldout = load_data(data, target)
     dataset_name = dataset.name
-  store_id = None if store is None else store.fingerprint
+  store_id = None if store is None else "+".join([store.fingerprint] + [e.fingerprint for e, _ in extras])
   settings = fingerprint_settings(target, recipe, record.ids)
   fingerprint = options_lib.fingerprint(settings)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))

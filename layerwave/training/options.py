@@ -73,6 +73,15 @@ class TrainOptions:
       different text, all evaluated on the target's own answers); needs `features`.
     features: a feature store directory (experiments/extract_features.py) to train from offline, with no
       target in the step; "" = online (the target runs in every step).
+    max_sequences: train on only the first N sequences (by dataset index) of `features`' train split (0 = all):
+      a data-limited run on a prefix of a larger store, e.g. to ask what extra text adds once the target's
+      answers run out.
+    extra_features: comma-separated feature stores whose train splits are read after `features`' (needs
+      `features`): more text beside the target's answers, e.g. ShareGPT's own answers through the target (a
+      forward, no generation). Each must store the run's layers in the same dtype and split its conversations
+      as the run's data does (`data.heldout_fraction`, `data.split_seed`), so that no held-out conversation of
+      `features` is trained on; the held-out evaluation stays `features`' (or `eval_features`'). Mixed by
+      count: a batch draws from every sequence alike.
     compute_dtype: the draft's forward and backward passes in training: "float32" or "bfloat16" (parameters,
       gradients and optimizer state stay float32; held-out evaluation always runs in float32, as inference).
       Precision, not recipe: a run may resume (or continue from its release) in the other dtype; its
@@ -121,6 +130,8 @@ class TrainOptions:
   eval_ttt_steps: int = 0
   eval_features: str = ""
   features: str = ""
+  max_sequences: int = 0
+  extra_features: str = ""
   bucket_widths: tuple[int, ...] = ()
   compute_dtype: str = "float32"
   init_from: str = ""
@@ -130,7 +141,8 @@ class TrainOptions:
                  "checkpoint_every"):
       value = getattr(self, name)
       _require(value >= 1, f"train.{name} must be >= 1, got {value}; set --config.train.{name}=N with N >= 1.")
-    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay", "eval_ttt_steps", "schedule_steps"):
+    for name in ("stop_after", "warmup_steps", "vocab_examples", "weight_decay", "eval_ttt_steps", "schedule_steps",
+                 "max_sequences"):
       value = getattr(self, name)
       _require(value >= 0, f"train.{name} must be >= 0, got {value}; set --config.train.{name}=0 to turn it "
                "off.")
@@ -145,6 +157,12 @@ class TrainOptions:
              "--config.train.decay=0.8.")
     _require(not self.eval_features or bool(self.features), "train.eval_features evaluates offline; it needs "
              "train.features (a store to train from). Unset --config.train.eval_features to evaluate online.")
+    _require(not (self.extra_features or self.max_sequences) or bool(self.features),
+             "train.extra_features and train.max_sequences read feature stores; they need train.features (the "
+             "store of the target's own answers to train from).")
+    _require(all(p.strip() for p in self.extra_features.split(",")) if self.extra_features else True,
+             f"train.extra_features={self.extra_features!r} has an empty entry; give comma-separated store "
+             "directories, e.g. --config.train.extra_features=runs/sharegpt-features.")
     _require(all(w >= 1 for w in self.bucket_widths), f"train.bucket_widths must be positive, got "
              f"{self.bucket_widths}; e.g. --config.train.bucket_widths=128,256 (max_length is always added).")
     _require(self.compute_dtype in step_lib.COMPUTE_DTYPES, f"train.compute_dtype must be one of "
@@ -158,6 +176,11 @@ class TrainOptions:
     return step_lib.OptimizerSettings(self.lr, self.warmup_steps, self.schedule_length, clip_norm=self.clip_norm,
                                       b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
                                       end_lr_fraction=self.end_lr_fraction, freeze_head=self.freeze_head)
+
+  @property
+  def extra_feature_dirs(self) -> list[str]:
+    """`extra_features` as a list of directories."""
+    return [p.strip() for p in self.extra_features.split(",")] if self.extra_features else []
 
   @property
   def schedule_length(self) -> int:
@@ -210,11 +233,14 @@ class Recipe:
 
   def fingerprint_settings(self) -> dict:
     """The fields a resumed run must share with its start: all but `TrainOptions.RESUMABLE` (run length,
-    logging, evaluation) and `train.features`, which enters by the store's own fingerprint (so a moved store
-    still resumes)."""
+    logging, evaluation) and `train.features` and `train.extra_features`, which enter by the stores' own
+    fingerprints (so a moved store still resumes); `train.max_sequences` only when set (runs recorded before
+    it existed read all)."""
     train = dataclasses.asdict(self.train)
-    for key in TrainOptions.RESUMABLE + ("features",):
+    for key in TrainOptions.RESUMABLE + ("features", "extra_features"):
       train.pop(key)
+    if not train["max_sequences"]:
+      train.pop("max_sequences")
     return {"seed": self.seed, "train": train, "draft_model": dataclasses.asdict(self.draft_model),
             "data": self.data.record()}
 

@@ -563,3 +563,95 @@ def test_launchers_extract_then_train_offline(tiny_chat_target_dir, tmp_path):
   launch("train_draft.py", "--workdir=" + str(tmp_path / "w"), "--config.train.features=" + str(tmp_path / "store"))
   lines = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")]
   assert any("eval/sim_tau" in l for l in lines) and max(l.get("step", 0) for l in lines) == 6
+
+
+# -- more text beside the store: train.extra_features, train.max_sequences -------------------------------
+
+OTHER = DataOptions(source="sharegpt", max_length=64, max_records=90, heldout_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def extra32(target, tmp_path_factory):
+  """A second store: other conversations (90 records, a superset of store32's), its train split only."""
+  out = tmp_path_factory.mktemp("store") / "extra"
+  features.extract(target, OTHER.build(target.tokenizer), str(out), dtype="float32", depths=LAYERS, batch_size=4,
+                   shard_sequences=8, data=OTHER.record(), splits=("train",))
+  return str(out)
+
+
+def test_joined_splits_read_each_part_in_order_and_a_head_is_a_prefix(store32, extra32):
+  a = features.open_store(store32).split("train", 64)
+  b = features.open_store(extra32).split("train", 64)
+  joined = features.JoinedSplit([a, b])
+  assert len(joined) == len(a) + len(b) and joined.sizes == [len(a), len(b)]
+  np.testing.assert_array_equal(joined.lengths(), np.concatenate([a.lengths(), b.lengths()]))
+  ends = {0: (a, 0), len(a) - 1: (a, len(a) - 1), len(a): (b, 0), len(joined) - 1: (b, len(b) - 1)}
+  for i, (part, j) in ends.items():
+    for key, value in part[j].items():
+      np.testing.assert_array_equal(joined[i][key], value)
+  with pytest.raises(IndexError):
+    joined[len(joined)]  # pylint: disable=pointless-statement
+  head = a.head(5)
+  assert len(head) == 5 and list(head.dataset_index) == list(a.dataset_index[:5])
+  np.testing.assert_array_equal(head.lengths(), a.lengths()[:5])
+  np.testing.assert_array_equal(head[4]["final"], a[4]["final"])
+  assert len(a.head(10_000)) == len(a)
+
+
+def test_training_reads_the_extra_stores_train_split_beside_its_own(store32, extra32, tiny_chat_target_dir, target,
+                                                                     tmp_path, caplog):
+  caplog.set_level("INFO")
+  n_a = len(features.open_store(store32).split("train", 64))
+  n_b = len(features.open_store(extra32).split("train", 64))
+  both = tiny_config(tiny_chat_target_dir, features=store32, extra_features=extra32)
+  assert loop.run(both, str(tmp_path / "both"))["step"] == 4
+  assert f"Training split: {n_a} sequences of {store32} and {n_b} of {extra32}." in caplog.text
+  meta = ckpt_lib.Checkpointer(str(tmp_path / "both" / "checkpoints")).read_meta()
+  assert meta["feature_store"] == "+".join(features.open_store(p).fingerprint for p in (store32, extra32))
+  alone = tiny_config(tiny_chat_target_dir, features=store32)
+  assert loop.run(alone, str(tmp_path / "alone"))["step"] == 4
+  # Same seed, other batches: the extra sequences are trained on.
+  assert any(not np.array_equal(x, y) for x, y in zip(_params(str(tmp_path / "both"), target),
+                                                       _params(str(tmp_path / "alone"), target)))
+  # A run resumes only with the same stores.
+  with pytest.raises(ValueError, match=r"trained from the feature store [0-9a-f]+\+[0-9a-f]+, but this run reads "
+                                       r"from the feature store [0-9a-f]+;"):
+    loop.run(alone, str(tmp_path / "both"))
+  # A prefix of the store's train split: the same run on its first 7 sequences.
+  caplog.clear()
+  few = tiny_config(tiny_chat_target_dir, features=store32, max_sequences=7)
+  assert loop.run(few, str(tmp_path / "few"))["step"] == 4
+  assert "train split (7 sequences" in caplog.text
+  with pytest.raises(ValueError, match="holds a run with a different config.*max_sequences"):
+    loop.run(few, str(tmp_path / "alone"))
+
+
+def test_an_extra_store_that_does_not_fit_the_run_is_refused(store32, extra32, target, tiny_chat_target_dir,
+                                                              tmp_path):
+  def refused(match, **train):
+    with pytest.raises(ValueError, match=match):
+      loop.run(tiny_config(tiny_chat_target_dir, features=store32, **train), str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+  refused(r"names a store twice \(or train\.features' own", extra_features=store32)
+  refused(r"names a store twice", extra_features=f"{extra32},{extra32}")
+  refused(r"train\.max_sequences=1000 but .* holds \d+ train sequences", max_sequences=1000)
+  refused(r"has an empty entry", extra_features=f"{extra32},")
+  other_split = dataclasses.replace(OTHER, split_seed=1)
+  out = tmp_path / "split1"
+  features.extract(target, other_split.build(target.tokenizer), str(out), dtype="float32", depths=LAYERS,
+                   batch_size=4, shard_sequences=8, data=other_split.record(), splits=("train",))
+  refused(r"split its conversations with data\.split_seed=1, this run with 0.*--config\.data\.split_seed=0",
+          extra_features=str(out))
+  out = tmp_path / "depths"
+  features.extract(target, OTHER.build(target.tokenizer), str(out), dtype="float32", depths=(0,) + LAYERS,
+                   batch_size=4, shard_sequences=8, data=OTHER.record(), splits=("train",))
+  refused(r"stores the depths \[0, 1, 2, 3\], .* \[1, 2, 3\]: stores trained from together must lay out the "
+          r"layers \[1, 2, 3\] alike", extra_features=str(out))
+  out = tmp_path / "bf16"
+  features.extract(target, OTHER.build(target.tokenizer), str(out), dtype="bfloat16", depths=LAYERS,
+                   batch_size=4, shard_sequences=8, data=OTHER.record(), splits=("train",))
+  refused(r"stores bfloat16 features of width \d+, .* float32 of width \d+.*--config\.features\.dtype=float32",
+          extra_features=str(out))
+  with pytest.raises(ValueError, match="need train.features"):
+    loop.run(tiny_config(tiny_chat_target_dir, extra_features=extra32), str(tmp_path / "online"))

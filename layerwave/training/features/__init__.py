@@ -12,5 +12,6 @@ from layerwave.training.features.extraction import extract
 from layerwave.training.features.extraction import FeatureOptions
 from layerwave.training.features.store import check_for_training
 from layerwave.training.features.store import FeatureStore
+from layerwave.training.features.store import JoinedSplit
 from layerwave.training.features.store import open_store
 from layerwave.training.features.store import StoreError

@@ -170,6 +170,21 @@ class StoreSplit:
     return int(self.dataset_index.shape[0])
 
   @property
+  def store(self) -> "FeatureStore":
+    return self._store
+
+  def head(self, n: int) -> "StoreSplit":
+    """The first `n` sequences by dataset index (all of them if the split holds fewer), as a split of its own
+    (`train.max_sequences`: a data-limited run on a prefix of a larger store, as `data.max_records` cuts a
+    dataset)."""
+    part = StoreSplit(self._store, [], self._max_length, self._cache_shards)
+    part._shards = self._shards  # pylint: disable=protected-access
+    n = max(0, min(int(n), len(self)))
+    part.dataset_index, part._shard_of, part._local = (  # pylint: disable=protected-access
+        self.dataset_index[:n], self._shard_of[:n], self._local[:n])
+    return part
+
+  @property
   def dtype(self) -> np.dtype:
     """The in-memory dtype of `hidden` and `final` (bfloat16 or float32)."""
     return DTYPES[self._store.dtype][0]
@@ -210,6 +225,51 @@ class StoreSplit:
     return {"input_ids": arrays["input_ids"][a:b], "assistant_mask": arrays["assistant_mask"][a:b],
             "argmax": arrays["argmax"][a:b], "final": arrays["final"][a:b],
             "hidden": arrays["hidden"][:, a:b]}
+
+
+class JoinedSplit:
+  """Splits of several stores read as one source, each after the one before (`train.extra_features`: a store's
+  train split with other text's beside it): `len`, `[i]`, `lengths()`, `dtype` and `hidden_size` as
+  `StoreSplit`'s. The parts must store the same dtype and width (and, for the caller, the same layers)."""
+
+  def __init__(self, parts: Sequence[StoreSplit]):
+    if not parts:
+      raise ValueError("JoinedSplit needs at least one split.")
+    first = parts[0]
+    for part in parts[1:]:
+      if (part.dtype, part.hidden_size) != (first.dtype, first.hidden_size):
+        raise StoreError(
+            f"The feature store {part.store.path} stores {part.store.dtype} features of width "
+            f"{part.hidden_size}, {first.store.path} {first.store.dtype} of width {first.hidden_size}: stores "
+            "trained from together must match; extract it again with --config.features.dtype="
+            f"{first.store.dtype}.")
+    self._parts = list(parts)
+    self._ends = np.cumsum([len(p) for p in self._parts])
+
+  def __len__(self) -> int:
+    return int(self._ends[-1])
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self._parts[0].dtype
+
+  @property
+  def hidden_size(self) -> int:
+    return self._parts[0].hidden_size
+
+  @property
+  def sizes(self) -> list[int]:
+    """Sequences per part, in order."""
+    return [len(p) for p in self._parts]
+
+  def lengths(self) -> np.ndarray:
+    return np.concatenate([p.lengths() for p in self._parts])
+
+  def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+    if not 0 <= i < len(self):
+      raise IndexError(f"sequence {i} of a split of {len(self)}")
+    k = int(np.searchsorted(self._ends, i, side="right"))
+    return self._parts[k][i - (int(self._ends[k - 1]) if k else 0)]
 
 
 FIELDS = ("hidden", "final", "argmax", "input_ids", "assistant_mask", "offsets", "index")
