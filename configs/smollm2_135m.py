@@ -221,6 +221,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.keep_checkpoints = True  # False: delete each cell's checkpoints once its result is written
   c.compare.report_only = False  # only tabulate the finished cells (a partial or running comparison)
   c.compare.release = ""  # a released draft (releases/NAME) decoded beside the cells, same prompts and timing
+  c.compare.release_batch_size = 1  # ... at this many prompts per call (1: where speculation pays, as users run it)
   # Finalists (`--config.compare.finalists=3`): once every cell has finished, the 3 sets of highest held-out sim
   # τ and the baseline decode finalist_prompts prompts per dataset (seeds 0..finalist_seeds-1, every temperature);
   # results.md adds their τ and Δτ against the baseline with a paired bootstrap over prompts. Needs checkpoints.

@@ -65,7 +65,7 @@ __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "mark
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
-             "keep_checkpoints", "report_only", "release", "finalists", "finalist_prompts", "finalist_seeds",
+             "keep_checkpoints", "report_only", "release", "release_batch_size", "finalists", "finalist_prompts", "finalist_seeds",
              "finalist_temperatures", "probe_tokens", "probe_vocab", "sort_by")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
@@ -126,6 +126,7 @@ class CompareOptions:
   keep_checkpoints: bool = True
   report_only: bool = False
   release: str = ""
+  release_batch_size: int = 1
   finalists: int = 0
   finalist_prompts: int = 80
   finalist_seeds: int = 1
@@ -148,6 +149,9 @@ class CompareOptions:
       raise ValueError(f"compare.budgets holds {min(self.budgets)}; budgets are multiples (> 0) of train.num_steps.")
     if self.seeds < 1:
       raise ValueError(f"compare.seeds must be >= 1 (number of seeds, 0..n-1), got {self.seeds}.")
+    if self.release_batch_size < 1:
+      raise ValueError(f"compare.release_batch_size must be >= 1 (prompts per call for the released draft), got "
+                       f"{self.release_batch_size}; set --config.compare.release_batch_size=1.")
     if not self.datasets:
       raise ValueError(f"compare.datasets is empty; name at least one of {', '.join(evaluate_lib.DATASETS)}.")
     for name in self.datasets:
@@ -737,7 +741,10 @@ def release_row(target, name: str, prompts, settings: evaluate_lib.DecodeSetting
                     release_lib.releases_root(), ", ".join(release_lib.available()) or "none")
     return {"name": name, "missing": True, "available": release_lib.available()}
   manifest = release_lib.verify_for(directory, target)
-  key = options_lib.fingerprint(manifest["sha256"])
+  # Decoded as a user runs it: `compare.release_batch_size` prompts per call (1: where speculation pays).
+  settings = dataclasses.replace(settings, batch_size=cmp.release_batch_size)
+  key = options_lib.fingerprint({"sha256": manifest["sha256"], "decoding": dataclasses.asdict(settings),
+                                 "temperatures": list(cmp.temperatures), "speedup": cmp.speedup})
   name = os.path.basename(os.path.normpath(directory))
   path = os.path.join(workdir, "release", f"{name}.json")
   if os.path.exists(path):
@@ -751,6 +758,7 @@ def release_row(target, name: str, prompts, settings: evaluate_lib.DecodeSetting
   tic = time.perf_counter()
   evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, 0, cmp.speedup)
   row = {"name": name, "key": key, "layer_ids": manifest["layer_ids"], "dtype": manifest.get("dtype"),
+         "batch_size": settings.batch_size, "num_draft_tokens": settings.spec.num_draft_tokens,
          "manifest_metrics": manifest.get("metrics", {}), "eval": evaluation,
          "eval_seconds": time.perf_counter() - tic}
   atomic.write_json(path, row)

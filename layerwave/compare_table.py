@@ -330,5 +330,8 @@ def _release_lines(row: dict | None, primary: str, timed: bool) -> list[str]:
   held = row.get("manifest_metrics", {}).get("heldout_sim_tau")
   if held is not None:
     parts.append(f"held-out sim τ {held:.3f} (its manifest)")
-  return [f"Released draft `{row['name']}` (layers {','.join(map(str, row['layer_ids']))}, {row.get('dtype')}): "
+  how = ""
+  if "batch_size" in row:
+    how = f", chain of {row['num_draft_tokens']} at batch {row['batch_size']}"
+  return [f"Released draft `{row['name']}` (layers {','.join(map(str, row['layer_ids']))}, {row.get('dtype')}{how}): "
           + "; ".join(parts) + ".\n"]

@@ -195,6 +195,7 @@ def test_compare_options_parse_the_section_once():
     ({"finalists": 3, "keep_checkpoints": False}, r"compare\.finalists .* needs their checkpoints"),
     ({"finalists": 3, "finalist_seeds": 2, "seeds": 1}, r"compare\.finalist_seeds in \[1, compare\.seeds=1\]"),
     ({"finalist_prompts": 0}, r"compare\.finalist_prompts >= 1"),
+    ({"release_batch_size": 0}, r"compare\.release_batch_size must be >= 1"),
 ])
 def test_compare_options_refuse_bad_values_naming_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -575,9 +576,11 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   assert summary["cells_done"] == 3
   released = summary["release"]["eval"]["T0/all"]
   assert released["equal_to_ar"] == 1.0 and 1.0 <= released["tau"] <= 4 and released["speedup"] > 0
-  assert released["timing_pairs"] == 3 and summary["release"]["layer_ids"] == [2, 4, 5]
+  # Decoded one prompt a call (compare.release_batch_size): 3 timed pairs for each prompt's batch.
+  assert summary["release"]["batch_size"] == 1 and summary["release"]["layer_ids"] == [2, 4, 5]
+  assert released["timing_pairs"] == 3 * summary["eval_settings"]["prompts_per_dataset"]
   with open(os.path.join(workdir, "results.md")) as f:
-    assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16): τ T0/all" in f.read()
+    assert "Released draft `tiny-eagle3` (layers 2,4,5, bfloat16, chain of 3 at batch 1): τ T0/all" in f.read()
   # The dynamics: eagle3 again at half the steps; only that cell trains.
   # With the finalists: the best set by sim τ and eagle3 decode 3 prompts each, paired by prompt.
   log = run(compare__manual=manual_flag, compare__budgets=(0.5,), compare__budget_sets=("eagle3",),
