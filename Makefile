@@ -115,7 +115,8 @@ campaign-train: setup
 # a row) alone would take ~3.6 h at batch 16 and 256 tokens, and the earlier plan ~10 CPU-hours in all.
 CAMPAIGN_TIMED ?= 24
 CAMPAIGN_NEW_TOKENS ?= 128
-CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(CAMPAIGN)/draft \
+# It decodes the released draft (bf16 weights, checksums verified: what a user loads), the finished run's export.
+CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(DRAFT_RELEASE) \
 	--datasets=mtbench,humaneval,gsm8k --config.speculate.max_new_tokens=$(CAMPAIGN_NEW_TOKENS) \
 	--config.speculate.tree_depth=4 --config.speculate.tree_top_k=4 --config.speculate.tree_tokens=16
 CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto
