@@ -65,8 +65,8 @@ __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "mark
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
-             "keep_checkpoints", "report_only", "release", "release_batch_size", "finalists", "finalist_prompts", "finalist_seeds",
-             "finalist_temperatures", "probe_tokens", "probe_vocab", "sort_by")
+             "keep_checkpoints", "report_only", "release", "release_batch_size", "finalists", "finalist_prompts",
+             "finalist_seeds", "finalist_temperatures", "probe_tokens", "probe_vocab", "sort_by")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -311,9 +311,7 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out = {"model": config.model, "dtype": config.dtype}
   out["compare"] = {k: v for k, v in dataclasses.asdict(cmp).items() if k not in _GROWABLE}
   train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
-  # Fields added later enter only when set, so that a sweep recorded before them still resumes.
-  out["train"] = {k: v for k, v in train.items() if k not in _RUN_LENGTH and not (
-      k in ("max_sequences", "extra_features") and not v)}
+  out["train"] = {k: v for k, v in TrainOptions.drop_unset_later(train).items() if k not in _RUN_LENGTH}
   out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
                                                                    "draft_model"))
   out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()

@@ -333,5 +333,6 @@ def _release_lines(row: dict | None, primary: str, timed: bool) -> list[str]:
   how = ""
   if "batch_size" in row:
     how = f", chain of {row['num_draft_tokens']} at batch {row['batch_size']}"
-  return [f"Released draft `{row['name']}` (layers {','.join(map(str, row['layer_ids']))}, {row.get('dtype')}{how}): "
+  layers = ",".join(map(str, row["layer_ids"]))
+  return [f"Released draft `{row['name']}` (layers {layers}, {row.get('dtype')}{how}): "
           + "; ".join(parts) + ".\n"]

@@ -107,6 +107,10 @@ class TrainOptions:
   # checkpoint records the run's precision history (`compute_dtypes`: [first step, dtype] segments).
   PRECISION: ClassVar[tuple[str, ...]] = ("compute_dtype",)
 
+  # Fields added after runs were recorded: they enter a run's (or sweep's) settings only when set, so that a
+  # run recorded before them still resumes (`drop_unset_later`).
+  LATER: ClassVar[tuple[str, ...]] = ("max_sequences", "extra_features")
+
   batch_size: int
   num_steps: int
   schedule_steps: int = 0
@@ -177,6 +181,11 @@ class TrainOptions:
                                       b1=self.b1, b2=self.b2, weight_decay=self.weight_decay,
                                       end_lr_fraction=self.end_lr_fraction, freeze_head=self.freeze_head)
 
+  @classmethod
+  def drop_unset_later(cls, train: dict) -> dict:
+    """`train` (a dict of these fields) less the `LATER` fields left at their defaults."""
+    return {k: v for k, v in train.items() if not (k in cls.LATER and not v)}
+
   @property
   def extra_feature_dirs(self) -> list[str]:
     """`extra_features` as a list of directories."""
@@ -236,11 +245,9 @@ class Recipe:
     logging, evaluation) and `train.features` and `train.extra_features`, which enter by the stores' own
     fingerprints (so a moved store still resumes); `train.max_sequences` only when set (runs recorded before
     it existed read all)."""
-    train = dataclasses.asdict(self.train)
+    train = TrainOptions.drop_unset_later(dataclasses.asdict(self.train))
     for key in TrainOptions.RESUMABLE + ("features", "extra_features"):
-      train.pop(key)
-    if not train["max_sequences"]:
-      train.pop("max_sequences")
+      train.pop(key, None)
     return {"seed": self.seed, "train": train, "draft_model": dataclasses.asdict(self.draft_model),
             "data": self.data.record()}
 
