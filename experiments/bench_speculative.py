@@ -108,7 +108,9 @@ def main(argv):
         print(f"{dataset} T={temp:g} {method}: tau={summary['tau']:.2f} "
               f"spec={summary['tokens_per_s']:.1f} tok/s" + (
                   f" ar={summary['ar_tokens_per_s']:.1f} tok/s speedup={evaluate.speedup_cell(summary)} "
-                  f"({summary['timing']})" if _PAIRED.value else ""), flush=True)
+                  f"({summary['timing']})" if _PAIRED.value else "") + (
+                  f" = effective tau {summary['effective_tau']:.2f} / iteration cost "
+                  f"{summary['iteration_cost']:.2f}" if "iteration_cost" in summary else ""), flush=True)
   atomic.write_json(os.path.join(_WORKDIR.value, "bench_speculative.json"),
                     {"config": config.to_dict(), "machine": platform.machine(), "results": results},
                     default=str)
@@ -117,15 +119,18 @@ def main(argv):
   print(f"speedup: spec ÷ AR tokens/s of the same batch decoded back to back in alternation (ABBA), "
         f"{s.timing_repeats} pairs per batch after a warm-up; the median over a row's pairs, [p25, p75] of "
         "them; the tok/s columns are medians over the same pairs.")
+  print("iteration cost: seconds per speculative iteration ÷ seconds per plain decode step, pooled over the "
+        "row's batches (speedup ≈ effective τ ÷ iteration cost; at batch 1 the cost is the break-even τ).")
   print("| dataset | T | method | τ | acceptance by depth | spec tok/s | AR tok/s | speedup [p25, p75] "
-        "| =AR |")
-  print("|" + "---|" * 9)
+        "| =AR | iteration cost |")
+  print("|" + "---|" * 10)
   for r in results:
     acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
     ar = (f"{r['ar_tokens_per_s']:.1f} | {evaluate.speedup_cell(r)} | {r['equal_to_ar']:.0%}" if "speedup" in r
           else "– | – | –")
+    cost = f"{r['iteration_cost']:.2f}" if "iteration_cost" in r else "–"
     print(f"| {r['dataset']} | {r['temperature']:g} | {r['name']} | {r['tau']:.2f} | {acc} | "
-          f"{r['tokens_per_s']:.1f} | {ar} |")
+          f"{r['tokens_per_s']:.1f} | {ar} | {cost} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smoke"
 
@@ -31,6 +33,9 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
     results = json.load(f)["results"]
   assert [r["name"] for r in results] == ["chain2", "tree"]
   assert all(r["equal_to_ar"] == 1.0 for r in results) and "| gsm8k | 0 | tree |" in out.stdout
+  for r in results:  # the speedup's two factors, and the table's last column
+    assert r["speedup"] == pytest.approx(r["effective_tau"] / r["iteration_cost"], rel=1e-9)  # one pair, same tokens
+    assert f"| {r['iteration_cost']:.2f} |" in out.stdout
   # Killed after its first row: the rerun keeps that row and decodes only the missing one.
   rows = tmp_path / "bench" / "rows"
   assert sorted(os.listdir(rows)) == ["gsm8k-n2-T0-chain2.json", "gsm8k-n2-T0-tree.json"]
@@ -48,7 +53,8 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
   with open(tmp_path / "tau" / "bench_speculative.json") as f:
     (row,) = json.load(f)["results"]
   assert row["tau"] >= 1.0 and "speedup" not in row and "equal_to_ar" not in row
-  assert "| gsm8k | 0 | chain2 |" in out.stdout and "| – | – | – |" in out.stdout
+  assert "| gsm8k | 0 | chain2 |" in out.stdout and "| – | – | – | – |" in out.stdout
+  assert "iteration_cost" not in row
 
 
 def test_speculate_honours_plain_chat_format_on_a_gemma_base_model(tmp_path):

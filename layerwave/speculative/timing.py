@@ -3,11 +3,21 @@
 The last measurement of the pipeline: every speedup the project reports (`experiments/speculate.py`,
 `experiments/bench_speculative.py`, `layerwave.compare`) comes from `paired_speedup`. On a shared machine
 the speed of the same code drifts several-fold as other jobs come and go (BENCHMARKS.md), so plain decoding
-timed once and speculation timed minutes later gives a ratio of two different machines. Here each batch is decoded by both, back to back,
-`repeats` times, in ABBA order (plain first in even pairs, speculative first in odd ones, so a linear drift
+timed once and speculation timed minutes later gives a ratio of two different machines. Here each batch is
+decoded by both, back to back, `repeats` times, in ABBA order (plain first in even pairs, speculative first in odd ones, so a linear drift
 cancels), after one untimed warm-up of each (compilation outside the clock). Each pair gives one ratio of
 tokens per second (speculative ÷ plain: at T > 0 the two may emit different numbers of tokens); the
 speedup is the median ratio, with its quartiles and range over the pairs.
+
+Where a speedup comes from: when both functions report their loop's `steps` (plain decode steps; speculative
+iterations, each one draft + verify), the speedup splits into two measured factors,
+
+  speedup = effective_tau / iteration_cost,   effective_tau = plain steps / speculative iterations,
+                                              iteration_cost = (s per iteration) / (s per plain step),
+
+exactly when both emit the same tokens (greedy) and prefill is negligible. At batch 1, effective_tau is τ; so
+`iteration_cost` is the break-even τ of this drafting setting on this machine, and a target speedup S needs
+τ = S · iteration_cost. At batch B a step serves B rows and effective_tau is the slowest row's.
 
 Legend (`layerwave.axes`): K draft depth.
 """
@@ -41,7 +51,8 @@ class PairedTiming:
     accept_length_hist: `[K+1]` the speculative calls' accepted-length counts summed over batches (one
       call per batch), or None when `spec_fn` reports none.
     per_batch: per batch {new_tokens, plain_new_tokens, seconds, plain_seconds (medians over its
-      repeats), speedup (median of its ratios)[, tau, verify_calls, prompt_stats (`decode.prompt_stats`)]}.
+      repeats), speedup (median of its ratios)[, tau, verify_calls, prompt_stats (`decode.prompt_stats`)]
+      [, steps, plain_steps, effective_tau, iteration_cost (the module docstring)]}.
   """
 
   ratios: tuple[float, ...]
@@ -73,6 +84,19 @@ class PairedTiming:
     return (f"median of {self.num_pairs} interleaved (ABBA) pairs, {self.repeats} per batch "
             f"[p25 {p25:.2f}, p75 {p75:.2f}; min {min(self.ratios):.2f}, max {max(self.ratios):.2f}]")
 
+  def decomposition(self) -> dict[str, float]:
+    """{effective_tau, iteration_cost}: the speedup's two factors (module docstring), pooled over batches
+    (plain steps ÷ speculative iterations, and seconds per iteration ÷ seconds per plain step, each summed
+    over the batches); empty when a function did not report its steps."""
+    rows = [r for r in self.per_batch if "steps" in r and "plain_steps" in r]
+    if not rows or len(rows) != len(self.per_batch):
+      return {}
+    steps = sum(r["steps"] for r in rows)
+    plain_steps = sum(r["plain_steps"] for r in rows)
+    per_iteration = sum(r["seconds"] for r in rows) / steps
+    per_step = sum(r["plain_seconds"] for r in rows) / plain_steps
+    return {"effective_tau": plain_steps / steps, "iteration_cost": per_iteration / per_step}
+
   def summary(self) -> dict[str, Any]:
     """The timing as JSON-ready scalars (no outputs)."""
     p25, p75 = self.quantiles()
@@ -81,7 +105,7 @@ class PairedTiming:
             "timing_pairs": self.num_pairs, "timing_repeats": self.repeats,
             "tokens_per_s": float(np.median(self.spec_tokens_per_s)),
             "ar_tokens_per_s": float(np.median(self.plain_tokens_per_s)),
-            "timing": "paired: " + self.describe()}
+            "timing": "paired: " + self.describe(), **self.decomposition()}
 
 
 def _check(prompts: Sequence[Sequence[int]], batch_size: int, repeats: int) -> None:
@@ -170,6 +194,11 @@ def paired_speedup(plain_fn: DecodeFn, spec_fn: DecodeFn, prompts: Sequence[Sequ
       row.update(tau=metrics["tau"], verify_calls=metrics["verify_calls"])
     if "accept_lengths" in metrics:
       row["prompt_stats"] = decode_lib.prompt_stats(metrics["accept_lengths"])
+    plain_metrics = first["plain"][1]
+    if metrics.get("steps") and plain_metrics.get("steps"):
+      row.update(steps=int(metrics["steps"]), plain_steps=int(plain_metrics["steps"]),
+                 effective_tau=plain_metrics["steps"] / metrics["steps"],
+                 iteration_cost=(row["seconds"] / metrics["steps"]) / (row["plain_seconds"] / plain_metrics["steps"]))
     per_batch.append(row)
   return PairedTiming(tuple(ratios), tuple(plain_rates), tuple(spec_rates), int(repeats), plain_outputs,
                       spec_outputs, hist, per_batch)

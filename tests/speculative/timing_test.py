@@ -31,8 +31,9 @@ class FakeClock:
     self.calls += 1
 
 
-def _fake(name, seconds, log, clock=None, tokens=4, compile_seconds=0.0, hist=None):
-  """batch -> (outputs, metrics): `tokens` per prompt in `seconds` (+ `compile_seconds` per new size)."""
+def _fake(name, seconds, log, clock=None, tokens=4, compile_seconds=0.0, hist=None, steps=None):
+  """batch -> (outputs, metrics): `tokens` per prompt in `seconds` (+ `compile_seconds` per new size), in
+  `steps` loop steps when given."""
   seen = set()
 
   def fn(ids):
@@ -45,6 +46,8 @@ def _fake(name, seconds, log, clock=None, tokens=4, compile_seconds=0.0, hist=No
       clock.spend(cost)
     metrics = {} if hist is None else {"accept_length_hist": list(hist), "tau": 1.5,
                                        "verify_calls": int(sum(hist))}
+    if steps is not None:
+      metrics["steps"] = steps
     return [[name == "spec"] * tokens for _ in ids], metrics
 
   return fn
@@ -139,6 +142,25 @@ def test_histogram_is_summed_over_batches_once_each(clock):
   assert len(pooled.spec_outputs) == 8 and pooled.repeats == 3
 
 
+def test_speedup_splits_into_effective_tau_and_iteration_cost(clock):
+  log = []
+  # Plain: 12 steps in 2.4 s (0.2 s a step); speculation: 5 iterations in 1.5 s (0.3 s each, 1.5 steps' worth).
+  result = timing.paired_speedup(_fake("plain", 2.4, log, clock, steps=12),
+                                 _fake("spec", 1.5, log, clock, steps=5), PROMPTS, 2, repeats=3)
+  row = result.per_batch[0]
+  assert (row["steps"], row["plain_steps"]) == (5, 12)
+  assert row["effective_tau"] == pytest.approx(2.4) and row["iteration_cost"] == pytest.approx(1.5)
+  s = result.summary()
+  assert s["effective_tau"] == pytest.approx(2.4) and s["iteration_cost"] == pytest.approx(1.5)
+  assert s["speedup"] == pytest.approx(s["effective_tau"] / s["iteration_cost"])  # same tokens: exact
+  # Pooled over batches by sums: batches of 2 and 1 prompts cost the same here, so the factors hold.
+  assert timing.combine([result, result]).summary()["iteration_cost"] == pytest.approx(1.5)
+  # Without steps from either side there is nothing to split.
+  plain_only = timing.paired_speedup(_fake("plain", 2.4, log, clock, steps=12), _fake("spec", 1.5, log, clock),
+                                     PROMPTS, 2, repeats=1)
+  assert "iteration_cost" not in plain_only.summary() and "steps" not in plain_only.per_batch[0]
+
+
 def test_real_clock_with_sleeping_functions():
   log = []
   result = timing.paired_speedup(_fake("plain", 0.04, log), _fake("spec", 0.02, log), [[1]] * 2, 1,
@@ -197,6 +219,12 @@ def test_real_target_and_draft(llama):
   assert result.accept_length_hist.tolist() == want.tolist()
   assert sum(r["verify_calls"] for r in result.per_batch) == want.sum()
   assert sum(r["new_tokens"] for r in result.per_batch) == sum(len(o) for o in ref)
+  # Both loops report their steps: one prompt alone, speculation needs its verifications, plain decoding
+  # one step per token after the prefill's.
+  alone = result.per_batch[1]
+  assert alone["steps"] == alone["verify_calls"] and alone["plain_steps"] in (len(ref[3]), len(ref[3]) - 1)
+  assert alone["effective_tau"] == pytest.approx(alone["plain_steps"] / alone["steps"])
+  assert result.summary()["iteration_cost"] > 0
   # Per prompt [emitted, verifications]: they add up to the histogram, and each prompt emitted its output.
   stats = np.asarray([p for r in result.per_batch for p in r["prompt_stats"]])
   assert stats.shape == (len(PROMPTS), 2) and stats[:, 1].sum() == want.sum()
