@@ -151,6 +151,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # on the campaign's cell (make dtype-check, BENCHMARKS.md "Throughput"): held-out sim τ paired by seed +0.007 ±
   # 0.021 against float32 (3 seeds), steps 1.16x faster. "float32" keeps every pass in float32.
   c.train.compute_dtype = "bfloat16"
+  # Online training only (no train.features): the target's forward that makes each step's inputs, "" = its own
+  # dtype (float32) or "bfloat16" (what features.compute_dtype is to a store; options.py). Held-out evaluation
+  # always runs on the float32 target.
+  c.train.target_dtype = ""
   c.train.init_from = ""  # continue an unfinished run from its interim release (a new machine; options.py)
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
@@ -291,6 +295,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       c.analysis.calibration_batches = 2
       c.analysis.log_every = 5
       c.train.num_steps = 80
+      # Its cells train online: the target's forward in bfloat16 (the held-out evaluation in float32) makes a
+      # step 1.26x faster (`bench_train_dtype.py --online`, BENCHMARKS.md "Throughput"); the same forward in a
+      # store's extraction cost no measurable held-out sim τ (features.compute_dtype above).
+      c.train.target_dtype = "bfloat16"
       _selected_vs_baseline(c.compare)
       # First line of the table: the draft released in this repository, on the same prompts and timing.
       c.compare.release = "smollm2-135m-instruct-eagle3"

@@ -11,6 +11,13 @@ whether XLA kept the draft's matmuls in bfloat16 (dots with bf16 operands in the
 them to float32. Prints, as its last line, `step time: float32 X s, bfloat16 Y s, ratio R` (medians, R =
 float32 / bfloat16: above 1 means bfloat16 is faster) and writes `W/bench_train_dtype.json`.
 
+With `--online`, the online step instead (`step.train_step`: the target runs inside it on real-shaped random
+tokens): the draft in `--config`'s `train.compute_dtype`, the target's forward in float32 against bfloat16
+(`train.target_dtype`: the float32 target cast, `inference.with_dtype`), alternated the same way; the last
+line then reads `online step time (target forward): float32 X s, bfloat16 Y s, ratio R`.
+
+  python experiments/bench_train_dtype.py --online --batch=8 --seq_len=256 --k=3 --vocab=2048
+
 Whether bfloat16 should be the default also needs the held-out τ of drafts trained both ways on the same
 store (`--config.train.compute_dtype=bfloat16` in experiments/train_draft.py); BENCHMARKS.md has both.
 """
@@ -38,7 +45,7 @@ from layerwave import atomic
 from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import sharding
-from layerwave.inference import load_target
+from layerwave.inference import load_target, with_dtype
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import loop
 from layerwave.training import step as step_lib
@@ -51,6 +58,8 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "T.")
 _K = flags.DEFINE_integer("k", 3, "TTT depth K.")
 _VOCAB = flags.DEFINE_integer("vocab", 4096, "Draft vocabulary V_d.")
 _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps per dtype (after the warm-up).")
+_ONLINE = flags.DEFINE_bool("online", False, "Time the online step, the target's forward in float32 against "
+                            "bfloat16 (train.target_dtype), instead of the offline step's draft compute dtype.")
 
 DTYPES = ("float32", "bfloat16")
 
@@ -99,13 +108,23 @@ def main(argv):
   batch = {key: jax.device_put(v, data if key != "features" else jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, "data"))) for key, v in batch.items()}
   states = {d: jax.device_put(step_lib.init_state(jax.tree.map(np.copy, params), optimizer), rep) for d in DTYPES}
-  kw = {d: dict(draft_graphdef=graphdef, optimizer=optimizer, steps=_K.value, decay=0.8, assistant_only=True,
-                compute_dtype=d) for d in DTYPES}
-  dots = {d: _dots(step_lib.train_step_offline.lower(states[d], vocab, embed, head, batch, **kw[d]).compile()
-                   .as_text()) for d in DTYPES}
+  if _ONLINE.value:  # the same draft step; the target's forward in each dtype
+    forward = {d: with_dtype(target, d) for d in DTYPES}
+    online = {key: batch[key] for key in ("input_ids", "attention_mask", "assistant_mask")}
+    kw = {d: dict(draft_graphdef=graphdef, target_graphdef=forward[d].graphdef, optimizer=optimizer,
+                  steps=_K.value, decay=0.8, assistant_only=True, compute_dtype=str(config.train.compute_dtype))
+          for d in DTYPES}
+    args = {d: (vocab, embed, forward[d].params, online) for d in DTYPES}
+    step_fn = step_lib.train_step
+  else:
+    kw = {d: dict(draft_graphdef=graphdef, optimizer=optimizer, steps=_K.value, decay=0.8, assistant_only=True,
+                  compute_dtype=d) for d in DTYPES}
+    args = {d: (vocab, embed, head, batch) for d in DTYPES}
+    step_fn = step_lib.train_step_offline
+  dots = {d: _dots(step_fn.lower(states[d], *args[d], **kw[d]).compile().as_text()) for d in DTYPES}
 
   def step(d):
-    states[d], m = step_lib.train_step_offline(states[d], vocab, embed, head, batch, **kw[d])
+    states[d], m = step_fn(states[d], *args[d], **kw[d])
     return m["loss"]
 
   compile_s = {d: metrics_lib.timed(lambda d=d: step(d)) for d in DTYPES}
@@ -119,13 +138,16 @@ def main(argv):
   machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
              "jax": jax.__version__, "devices": [str(x) for x in jax.devices()]}
   result = {"model": config.model, "layers": list(ids), "K": _K.value, "V_d": _VOCAB.value, "batch": b,
+            "step": ("online (dtype = the target's forward)" if _ONLINE.value else
+                     "offline (dtype = the draft's compute)"),
             "seq_len": t, "machine": machine, "median_step_s": median, "times": times,
             "first_step_s": compile_s, "dots_in_optimized_hlo": dots, "ratio_f32_over_bf16": ratio,
             "tokens_per_s": {d: b * t / median[d] for d in DTYPES}}
   os.makedirs(_WORKDIR.value, exist_ok=True)
   atomic.write_json(os.path.join(_WORKDIR.value, "bench_train_dtype.json"), result)
   print(json.dumps({k_: result[k_] for k_ in ("median_step_s", "dots_in_optimized_hlo", "tokens_per_s")}))
-  print(f"step time: float32 {median['float32']:.3f} s, bfloat16 {median['bfloat16']:.3f} s, ratio {ratio:.2f}")
+  label = "online step time (target forward)" if _ONLINE.value else "step time"
+  print(f"{label}: float32 {median['float32']:.3f} s, bfloat16 {median['bfloat16']:.3f} s, ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

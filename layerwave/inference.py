@@ -241,6 +241,35 @@ def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
                 mesh=mesh, path=path, spec=str(spec))
 
 
+def with_dtype(target: Target, dtype: Any) -> Target:
+  """The same target computing in `dtype`: its parameters cast once (no reload), its modules built for it.
+
+  What `load_target(spec, dtype)` loads (a float32 checkpoint rounded to bfloat16 either way), without reading
+  the checkpoint again: the training forwards that may run in bfloat16 (`features.compute_dtype`,
+  `train.target_dtype`) take it beside the float32 target that evaluates. Only a float32 target (or the dtype
+  it already has) can be cast: widening bfloat16 would not restore the checkpoint's float32 values.
+
+  Args:
+    target: a loaded `Target`.
+    dtype: 'float32', 'bfloat16' or 'float16'.
+
+  Returns:
+    `target` itself when it computes in `dtype` already; else a `Target` sharing its config, tokenizer and
+    mesh, with parameters in `dtype` (placed as the originals).
+  """
+  want = jnp.dtype(parse_dtype(dtype))
+  have = jnp.dtype(compute_dtype(target.graphdef, target.params))
+  if have == want:
+    return target
+  if have != jnp.dtype(jnp.float32):
+    raise ValueError(f"Cannot cast a {have.name} target to {want.name}: load it in float32 "
+                     f"(load_target(spec, dtype='float32')) or in {want.name} directly.")
+  abstract = nnx.eval_shape(lambda: Transformer(target.config, dtype=want, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(abstract)
+  params = jax.tree.map(lambda x: x.astype(want), target.params)
+  return dataclasses.replace(target, graphdef=graphdef, params=params)
+
+
 def _load_tokenizer(path: str):
   if not any(os.path.exists(os.path.join(path, f))
              for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

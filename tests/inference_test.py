@@ -124,3 +124,21 @@ def test_target_fingerprint_changes_with_any_weight_and_the_dtype(target):
   assert inference.target_fingerprint(dataclasses.replace(target, params=params)) != same
   half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), target.params)
   assert inference.target_fingerprint(dataclasses.replace(target, params=half)) != same
+
+
+def test_with_dtype_equals_loading_in_that_dtype(tiny_chat_target_dir):
+  f32 = inference.load_target(tiny_chat_target_dir)
+  loaded = inference.load_target(tiny_chat_target_dir, dtype="bfloat16")
+  cast = inference.with_dtype(f32, "bfloat16")
+  assert inference.compute_dtype(cast.graphdef, cast.params) == jnp.bfloat16
+  assert cast.graphdef == loaded.graphdef and cast.config is f32.config and cast.tokenizer is f32.tokenizer
+  same = jax.tree.map(lambda a, b: a.dtype == b.dtype and bool(jnp.all(a == b)), cast.params, loaded.params)
+  assert all(jax.tree.leaves(same))
+  assert inference.target_fingerprint(cast) == inference.target_fingerprint(loaded)
+  ids = np.array([[5, 9, 13, 7, 21, 3]])
+  np.testing.assert_array_equal(cast.forward(ids).logits, loaded.forward(ids).logits)
+  assert inference.with_dtype(f32, "float32") is f32 and inference.with_dtype(loaded, jnp.bfloat16) is loaded
+  with pytest.raises(ValueError, match="Cannot cast a bfloat16 target to float32: load it in float32"):
+    inference.with_dtype(loaded, "float32")
+  with pytest.raises(ValueError, match="Unknown dtype"):
+    inference.with_dtype(f32, "int8")

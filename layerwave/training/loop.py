@@ -41,7 +41,7 @@ from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.analysis import report as report_lib
 from layerwave.data.options import DataOptions
-from layerwave.inference import Target, compute_dtype, load_target, target_fingerprint
+from layerwave.inference import Target, compute_dtype, load_target, target_fingerprint, with_dtype
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features as features_lib
 from layerwave.training import losses
@@ -428,9 +428,12 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   train_iterate = dict(iterate, seed=seed, position=position, widths=t.bucket_widths)
   if store is None:
     it = data_lib.BatchIterator(train_source, **train_iterate)
+    # The training forward may run in bfloat16 (train.target_dtype); the held-out evaluation below keeps the
+    # target itself, as at inference.
+    forward = with_dtype(target, t.target_dtype) if t.target_dtype else target
     train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
-        state, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=target.graphdef, optimizer=optimizer, **t.train_kwargs)
+        state, vocab, embed, forward.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
+        target_graphdef=forward.graphdef, optimizer=optimizer, **t.train_kwargs)
     eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
         state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,

@@ -86,6 +86,12 @@ class TrainOptions:
       gradients and optimizer state stay float32; held-out evaluation always runs in float32, as inference).
       Precision, not recipe: a run may resume (or continue from its release) in the other dtype; its
       checkpoints and releases keep the history (`compute_dtypes`).
+    target_dtype: online training only: the dtype of the target's forward that makes each step's inputs
+      (features, h_L and through it the targets): "" = the target's own (`config.dtype`), or "bfloat16": the
+      float32 target's parameters cast once (`inference.with_dtype`), as `features.compute_dtype` does for a
+      store's training split; the held-out evaluation keeps the target itself, as at inference. Part of the
+      recipe (a run resumes only with the same value). Offline runs read a store, whose forward ran at
+      extraction (`features.compute_dtype`), and refuse it.
     init_from: a draft release (`releases/<name>` or its directory) of an earlier, unfinished run of this same
       recipe, to continue when `W` holds no checkpoint (a new machine): training goes on from the release's
       step, data position and learning rate, with its bfloat16-rounded weights in float32 and fresh AdamW
@@ -109,7 +115,7 @@ class TrainOptions:
 
   # Fields added after runs were recorded: they enter a run's (or sweep's) settings only when set, so that a
   # run recorded before them still resumes (`drop_unset_later`).
-  LATER: ClassVar[tuple[str, ...]] = ("max_sequences", "extra_features")
+  LATER: ClassVar[tuple[str, ...]] = ("max_sequences", "extra_features", "target_dtype")
 
   batch_size: int
   num_steps: int
@@ -138,6 +144,7 @@ class TrainOptions:
   extra_features: str = ""
   bucket_widths: tuple[int, ...] = ()
   compute_dtype: str = "float32"
+  target_dtype: str = ""
   init_from: str = ""
 
   def __post_init__(self):
@@ -171,6 +178,12 @@ class TrainOptions:
              f"{self.bucket_widths}; e.g. --config.train.bucket_widths=128,256 (max_length is always added).")
     _require(self.compute_dtype in step_lib.COMPUTE_DTYPES, f"train.compute_dtype must be one of "
              f"{list(step_lib.COMPUTE_DTYPES)}, got {self.compute_dtype!r}; set --config.train.compute_dtype=float32.")
+    _require(self.target_dtype in ("",) + step_lib.COMPUTE_DTYPES, f"train.target_dtype must be '' (the "
+             f"target's own dtype) or one of {list(step_lib.COMPUTE_DTYPES)}, got {self.target_dtype!r}; set "
+             "--config.train.target_dtype=bfloat16 or leave it empty.")
+    _require(not (self.target_dtype and self.features), f"train.target_dtype={self.target_dtype!r} sets the "
+             "online forward's dtype, but this run reads the store train.features, whose forward ran at extraction "
+             "(features.compute_dtype). Set --config.train.target_dtype='' for an offline run.")
     _require(0 <= self.end_lr_fraction <= 1, f"train.end_lr_fraction must be in [0, 1], got "
              f"{self.end_lr_fraction}; 0 decays to zero, 1 keeps the peak rate.")
 

@@ -254,3 +254,42 @@ def test_a_resumed_run_may_switch_its_compute_dtype_and_records_the_history(tiny
   other.train.compute_dtype, other.train.lr, other.train.num_steps = "bfloat16", 5e-3, 4
   with pytest.raises(ValueError, match=r"different config.*differing fields: train\.compute_dtype, train\.lr"):
     loop.run(other, str(tmp_path))
+
+
+def test_online_training_forward_in_bfloat16_evaluates_in_float32(tiny_config, tmp_path):
+  """train.target_dtype=bfloat16: every training step's target forward runs on the cast target, every held-out
+  evaluation on the float32 target itself; the setting is part of the recipe (recorded only when set)."""
+  from layerwave.training import step as step_lib  # pylint: disable=g-import-not-at-top
+  seen = {"train": set(), "eval": set()}
+
+  def spy(kind, fn):
+    def wrapped(*args, **kwargs):
+      seen[kind].update(str(x.dtype) for x in jax.tree.leaves(args[3]))  # the target's parameters
+      return fn(*args, **kwargs)
+    return wrapped
+
+  c = tiny_config.copy_and_resolve_references()
+  c.train.target_dtype = "bfloat16"
+  with mock.patch.object(step_lib, "train_step", spy("train", step_lib.train_step)), \
+       mock.patch.object(step_lib, "eval_step", spy("eval", step_lib.eval_step)):
+    result = loop.run(c, str(tmp_path / "bf16"))
+  assert seen == {"train": {"bfloat16"}, "eval": {"float32"}}
+  assert result["step"] == 4 and np.isfinite(result["heldout_sim_tau"])
+  plain = loop.run(tiny_config, str(tmp_path / "f32"))
+  assert any(not np.array_equal(a, b) for a, b in zip(_params(str(tmp_path / "bf16"), _target(c)),
+                                                       _params(str(tmp_path / "f32"), _target(c))))
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "bf16" / "checkpoints"))
+  meta = ckpt.read_meta(4)
+  ckpt.close()
+  assert meta["settings"]["train"]["target_dtype"] == "bfloat16"
+  ckpt = ckpt_lib.Checkpointer(str(tmp_path / "f32" / "checkpoints"))
+  assert "target_dtype" not in ckpt.read_meta(4)["settings"]["train"]  # unset: runs recorded before it resume
+  ckpt.close()
+  assert plain["step"] == 4
+  c.train.num_steps, c.train.target_dtype = 6, ""
+  with pytest.raises(ValueError, match=r"different config.*differing fields: train\.target_dtype"):
+    loop.run(c, str(tmp_path / "bf16"))
+
+
+def _target(config):
+  return layerwave.load_target(config.model)

@@ -36,12 +36,24 @@ def test_derived_settings():
     ("b2", 1.0, r"train\.b2 must be in \[0, 1\), got 1\.0"),
     ("decay", 0.0, r"train\.decay must be in \(0, 1\]"),
     ("clip_norm", -1.0, r"train\.clip_norm must be > 0"),
+    ("target_dtype", "float16", r"train\.target_dtype must be '' \(the target's own dtype\) or one of "
+     r"\['float32', 'bfloat16'\], got 'float16'; set --config\.train\.target_dtype=bfloat16 or leave it empty"),
 ])
 def test_bad_train_values_are_refused_naming_the_field_and_the_fix(field, value, message):
   config = configs.load("smoke")
   config.train[field] = value
   with pytest.raises(ValueError, match=message):
     options_lib.from_section(options.TrainOptions, config.train, "train")
+
+
+def test_target_dtype_is_online_only():
+  config = configs.load("smoke")
+  config.train.target_dtype, config.train.features = "bfloat16", "runs/features"
+  with pytest.raises(ValueError, match=r"train\.target_dtype='bfloat16' sets the online forward's dtype, but this "
+                     r"run reads the store train\.features.*Set --config\.train\.target_dtype='' for an offline run"):
+    options_lib.from_section(options.TrainOptions, config.train, "train")
+  config.train.features = ""
+  assert options_lib.from_section(options.TrainOptions, config.train, "train").target_dtype == "bfloat16"
 
 
 def test_bad_draft_model_values_are_refused():

@@ -50,7 +50,7 @@ from layerwave.analysis import report as report_lib
 from layerwave.data import batching
 from layerwave.data import tfds_builders
 from layerwave.data.options import DataOptions
-from layerwave.inference import LOGITS_CHUNK, Target, load_target, over_positions, positions_from_mask
+from layerwave.inference import LOGITS_CHUNK, Target, load_target, over_positions, positions_from_mask, with_dtype
 from layerwave.inference import target_fingerprint
 from layerwave.models.kv_cache import causal_mask
 from layerwave.training import losses
@@ -474,7 +474,10 @@ def run(config) -> dict[str, Any]:
   dataset = data.build(target.tokenizer)
   compute_target = None
   if opts.compute_dtype and opts.compute_dtype != target_dtype_name(target) and "train" in opts.split_names:
-    compute_target = load_target(config.model, dtype=opts.compute_dtype, mesh=mesh)
+    # The float32 target's parameters cast (what loading in that dtype gives, `with_dtype`), as online
+    # training's `train.target_dtype` does; a narrower target is widened by loading the checkpoint again.
+    compute_target = (with_dtype(target, opts.compute_dtype) if target_dtype_name(target) == "float32" else
+                      load_target(config.model, dtype=opts.compute_dtype, mesh=mesh))
   return extract(target, dataset, opts.dir, depths=depths, dtype=opts.dtype, splits=opts.split_names,
                  batch_size=opts.batch_size, shard_sequences=opts.shard_sequences,
                  data=data.record(), model=config.model, compute_target=compute_target)
