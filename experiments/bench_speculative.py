@@ -35,6 +35,7 @@ from layerwave import layer_ids
 from layerwave import options
 from layerwave.inference import load_target
 from layerwave.speculative import evaluate
+from layerwave.training.options import TrainOptions
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where bench_speculative.json goes.")
@@ -54,6 +55,15 @@ def _settings(config) -> dict:
   return {"config": json.loads(json.dumps(config.to_dict(), default=str)), "paired": bool(_PAIRED.value)}
 
 
+def _comparable(settings: dict) -> dict:
+  """Settings as rows must agree on them: training fields added since a workdir was recorded count only when
+  set (`TrainOptions.drop_unset_later`), whether the record lacks them or holds their defaults."""
+  train = settings.get("config", {}).get("train")
+  if isinstance(train, dict):
+    settings["config"]["train"] = TrainOptions.drop_unset_later(train)
+  return settings
+
+
 def _row_path(workdir: str, dataset: str, count: int, temp: float, method: str) -> str:
   return os.path.join(workdir, "rows", f"{dataset}-n{count}-T{temp:g}-{method}.json")
 
@@ -71,7 +81,7 @@ def main(argv):
   counts = dict(zip(_DATASETS.value, (int(n) for n in _NUM.value)))
   # After the target and the draft loaded (a bad path records nothing): rows of other settings are refused.
   options.record_settings(os.path.join(_WORKDIR.value, "bench_settings.json"), _settings(config),
-                          "benchmark rows")
+                          "benchmark rows", normalize=_comparable)
   results = []
   for dataset in _DATASETS.value:
     count = counts.get(dataset, int(s.num_prompts))

@@ -23,7 +23,7 @@ import json
 import os
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 from layerwave import atomic
 
@@ -158,12 +158,15 @@ def differing_fields(recorded: Mapping[str, Any], current: Mapping[str, Any], li
   return ", ".join(diff[:limit]) + (" ..." if len(diff) > limit else "") if diff else "none recorded"
 
 
-def record_settings(path: str, settings: Mapping[str, Any], holds: str) -> None:
+def record_settings(path: str, settings: Mapping[str, Any], holds: str,
+                    normalize: Callable[[dict], dict] | None = None) -> None:
   """Records `settings` (JSON) at `path` for a new workdir, or refuses one recorded under other settings.
 
   `holds` says what the workdir holds, for the error ("comparison results", "benchmark rows"); the error
   names the differing fields and the fix. The file is {"fingerprint": ..., "settings": ...}, written
-  atomically, so a killed writer leaves none.
+  atomically, so a killed writer leaves none. `normalize` (settings -> settings) maps both the recorded and
+  the new settings to what must agree, e.g. dropping fields added since at their defaults, so that a record
+  written before a field existed, or with it at its default, still matches.
   """
   settings = json.loads(json.dumps(dict(settings), default=str))  # as the file will hold it
   value = fingerprint(settings)
@@ -172,6 +175,12 @@ def record_settings(path: str, settings: Mapping[str, Any], holds: str) -> None:
       old = json.load(f)
     if old.get("fingerprint") == value:
       return
+    if normalize is not None:
+      mine = normalize(json.loads(json.dumps(settings)))
+      theirs = normalize(json.loads(json.dumps(old.get("settings", {}))))
+      if fingerprint(mine) == fingerprint(theirs):
+        return
+      settings, old = mine, {"fingerprint": old.get("fingerprint"), "settings": theirs}
     raise ValueError(f"{os.path.dirname(path) or '.'} holds {holds} of a different config (fingerprint "
                      f"{old.get('fingerprint')} vs {value}; differing fields: "
                      f"{differing_fields(old.get('settings', {}), settings)}). Resume with the same config or "

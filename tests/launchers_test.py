@@ -47,6 +47,21 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
   assert (rows / "gsm8k-n2-T0-chain2.json").stat().st_mtime == kept
   with open(tmp_path / "bench" / "bench_speculative.json") as f:
     assert [r["name"] for r in json.load(f)["results"]] == ["chain2", "tree"]
+  # Training fields added later count only when set: rows recorded before one existed resume; set, it makes
+  # another config, refused with the field named.
+  with open(tmp_path / "bench" / "bench_settings.json") as f:
+    record = json.load(f)
+  del record["settings"]["config"]["train"]["target_dtype"]
+  record["fingerprint"] = "recorded-before-target_dtype"
+  with open(tmp_path / "bench" / "bench_settings.json", "w") as f:
+    json.dump(record, f)
+  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+             "--num_prompts=2", "--methods=chain2", "--temperatures=0")
+  assert "gsm8k T=0 chain2: kept from" in out.stdout
+  with pytest.raises(subprocess.CalledProcessError) as refused:
+    _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+         "--num_prompts=2", "--methods=chain2,tree", "--temperatures=0", "--config.train.target_dtype=bfloat16")
+  assert "differing fields: config.train.target_dtype" in refused.value.stderr
   # --nopaired: τ and acceptance only, no plain decoding and no speedup columns.
   out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "tau"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2", "--temperatures=0", "--nopaired")

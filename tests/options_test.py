@@ -123,3 +123,19 @@ def test_record_settings_records_once_and_refuses_other_settings(tmp_path):
     options.record_settings(path, {"config": {"lr": 0.2, "widths": (128, 256)}, "paired": False}, "benchmark rows")
   with open(path) as f:
     assert json.load(f) == recorded  # a refusal writes nothing
+
+
+def test_record_settings_normalizes_both_sides_before_comparing(tmp_path):
+  path = str(tmp_path / "w" / "settings.json")
+  drop_unset_new = lambda s: {k: v for k, v in s.items() if not (k == "new" and not v)}  # noqa: E731
+  options.record_settings(path, {"lr": 0.1}, "benchmark rows")  # recorded before "new" existed
+  options.record_settings(path, {"lr": 0.1, "new": ""}, "benchmark rows", normalize=drop_unset_new)
+  with pytest.raises(ValueError, match=r"differing fields: new\)"):
+    options.record_settings(path, {"lr": 0.1, "new": "x"}, "benchmark rows", normalize=drop_unset_new)
+  with pytest.raises(ValueError, match=r"differing fields: new\)"):  # without the rule: another config
+    options.record_settings(path, {"lr": 0.1, "new": ""}, "benchmark rows")
+  other = str(tmp_path / "v" / "settings.json")
+  options.record_settings(other, {"lr": 0.1, "new": ""}, "benchmark rows")  # recorded with it at its default
+  options.record_settings(other, {"lr": 0.1}, "benchmark rows", normalize=drop_unset_new)
+  with open(other) as f:
+    assert json.load(f)["settings"] == {"lr": 0.1, "new": ""}  # an accepted resume rewrites nothing
