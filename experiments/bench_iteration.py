@@ -15,7 +15,10 @@ draft with a cache filled to `--context` tokens, alternated round by round so al
 
 Then whole iterations: `layerwave.speculative.generate` and plain `layerwave.generate` of `--new_tokens` on
 one real chat prompt (EOS ignored, compilation outside the clock), giving ms per iteration, the measured
-iteration cost and the break-even τ per chain; the parts' sum shows what the loop's bookkeeping adds.
+iteration cost and the break-even τ per chain (and per EAGLE-2 tree of `--trees`, depth x top-k x tokens); the
+parts' sum shows what the loop's bookkeeping adds.
+
+  python experiments/bench_iteration.py --chains=2,3 --trees=4x4x16,3x2x6
 """
 
 import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
@@ -39,6 +42,7 @@ from layerwave.speculative import decode
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", "smollm2-135m-instruct-eagle3", "Draft (a release name, workdir or directory).")
 _CHAINS = flags.DEFINE_list("chains", ["1", "2", "3", "4"], "Chain lengths K.")
+_TREES = flags.DEFINE_list("trees", [], "EAGLE-2 tree budgets DEPTHxTOPKxTOKENS for the whole decodes, e.g. 4x4x16.")
 _CONTEXT = flags.DEFINE_integer("context", 200, "Tokens already in the caches for the parts.")
 _NEW = flags.DEFINE_integer("new_tokens", 128, "New tokens of the whole-iteration runs.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed rounds of the parts (median).")
@@ -93,6 +97,11 @@ def main(argv):
   chains = [int(k) for k in _CHAINS.value]
   if any(k < 1 for k in chains):
     raise app.UsageError(f"--chains must be positive integers, got {_CHAINS.value}.")
+  trees = [tuple(int(x) for x in t.split("x")) for t in _TREES.value
+           if len(t.split("x")) == 3 and all(x.isdigit() and int(x) > 0 for x in t.split("x"))]
+  if len(trees) != len(_TREES.value):
+    raise app.UsageError(f"--trees must be DEPTHxTOPKxTOKENS with positive integers (e.g. 4x4x16), got "
+                         f"{_TREES.value}.")
   target = load_target(_MODEL.value)
   draft = decode.as_loaded_draft(layerwave.load_draft(_DRAFT.value, target), target.mesh)
   parts = _parts(target, draft, chains)
@@ -116,6 +125,9 @@ def main(argv):
   for k in chains:
     runs[f"chain{k}"] = lambda k=k: decode.generate(target, draft, [ids], _NEW.value, ignore_eos=True,
                                                     method="chain", num_draft_tokens=k)
+  for depth, top_k, tokens in trees:
+    runs[f"tree {depth}x{top_k}x{tokens}"] = lambda d=depth, k=top_k, n=tokens: decode.generate(
+        target, draft, [ids], _NEW.value, ignore_eos=True, method="tree", tree_depth=d, tree_top_k=k, tree_tokens=n)
   for fn in runs.values():
     fn()  # compile
   seconds = {name: [] for name in runs}
@@ -127,14 +139,19 @@ def main(argv):
   print(f"\n## Whole decodes ({_NEW.value} new tokens, one prompt, EOS ignored; medians of {_RUNS.value} "
         "alternated runs)\n")
   print(f"plain: {per_step:.2f} ms per decode step\n")
-  print("| chain | τ | ms / iteration | iteration cost (break-even τ) | parts' sum ÷ plain step | speedup |")
+  print("| setting | τ | ms / iteration | iteration cost (break-even τ) | parts' sum ÷ plain step | speedup |")
   print("|---|---|---|---|---|---|")
-  for k in chains:
-    m = stats[f"chain{k}"]
-    per_iter = statistics.median(seconds[f"chain{k}"]) * 1e3 / m["steps"]
-    parts_sum = ms[f"verify(T={k + 1})"] + ms[f"draft chain K={k}"] + ms[f"draft commit(T={k + 1})"]
-    print(f"| K={k} | {m['tau']:.2f} | {per_iter:.2f} | {per_iter / per_step:.2f} | {parts_sum / step:.2f} | "
-          f"{statistics.median(seconds['plain']) / statistics.median(seconds[f'chain{k}']):.2f}x |")
+  for name in runs:
+    if name == "plain":
+      continue
+    m = stats[name]
+    per_iter = statistics.median(seconds[name]) * 1e3 / m["steps"]
+    parts = "–"
+    if name.startswith("chain"):
+      k = int(name.removeprefix("chain"))
+      parts = f"{(ms[f'verify(T={k + 1})'] + ms[f'draft chain K={k}'] + ms[f'draft commit(T={k + 1})']) / step:.2f}"
+    print(f"| {name} | {m['tau']:.2f} | {per_iter:.2f} | {per_iter / per_step:.2f} | {parts} | "
+          f"{statistics.median(seconds['plain']) / statistics.median(seconds[name]):.2f}x |")
 
 
 if __name__ == "__main__":
