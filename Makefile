@@ -112,14 +112,18 @@ campaign-train: setup
 # one 3-hour session of 2 cores: CAMPAIGN_NEW_TOKENS (128) new tokens a prompt, and at batch 1 one ABBA pair a
 # prompt (72 pairs a row, alternating AB/BA over the prompts; the speedup is their median). Estimated from the
 # measured cost of a verified token (~5.5 ms on this CPU, BENCHMARKS.md): the config's tree (48 verified tokens
-# a row) alone would take ~3.6 h at batch 16 and 256 tokens, and the earlier plan ~10 CPU-hours in all.
+# a row) alone would take ~3.6 h at batch 16 and 256 tokens, and the earlier plan ~10 CPU-hours in all. The timed
+# stages' tree is smaller (depth 3, top-k 3, 8 tokens): at batch 1 the 16-token tree's iteration costs 2.8 plain
+# steps and pays nothing, the 8-token one 2.0 steps for most of its τ (BENCHMARKS.md, "Batch 1: where an
+# iteration's time goes").
 CAMPAIGN_TIMED ?= 24
 CAMPAIGN_NEW_TOKENS ?= 128
 # It decodes the released draft (bf16 weights, checksums verified: what a user loads), the finished run's export.
 CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(DRAFT_RELEASE) \
 	--datasets=mtbench,humaneval,gsm8k --config.speculate.max_new_tokens=$(CAMPAIGN_NEW_TOKENS) \
 	--config.speculate.tree_depth=4 --config.speculate.tree_top_k=4 --config.speculate.tree_tokens=16
-CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto
+CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto \
+	--config.speculate.tree_depth=3 --config.speculate.tree_top_k=3 --config.speculate.tree_tokens=8
 campaign-eval: setup
 	$(PY) $(CAMPAIGN_BENCH) --num_prompts=80,80,80 --temperatures=0,1 --methods=chain2,chain3,chain4,tree \
 	    --nopaired --config.speculate.batch_size=16 --workdir=$(CAMPAIGN)/eval/tau
