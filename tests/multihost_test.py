@@ -89,6 +89,23 @@ def test_online_training_in_two_processes_equals_one_and_restores_in_one(tiny_ch
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-5)
 
 
+_TRAIN_BF16 = _TRAIN_CONFIG + """
+config.train.target_dtype = "bfloat16"  # the forward on the cast target (inference.with_dtype), eval float32
+out = loop.run(config, os.path.join(ARGS[1], "train"))
+write_result({k: out[k] for k in ("step", "heldout_loss", "heldout_acc", "heldout_sim_tau") if k in out})
+"""
+
+
+def test_online_training_with_a_bfloat16_forward_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path):
+  """The target cast to bfloat16 across two processes' global arrays: both processes agree and match one process
+  (within what bf16 rounding of differently blocked matmuls allows)."""
+  one, = _stage(_TRAIN_BF16, tmp_path, "bf16", tiny_chat_target_dir, num_processes=1)
+  two = _stage(_TRAIN_BF16, tmp_path, "bf16", tiny_chat_target_dir, num_processes=2)
+  assert one["step"] == 4 and two[0] == two[1] and one["heldout_loss"] > 0
+  for key in set(one) - {"step"}:
+    np.testing.assert_allclose(two[0][key], one[key], rtol=1e-2, atol=1e-3, err_msg=key)
+
+
 _REFUSALS = _TRAIN_CONFIG + """
 import copy
 from layerwave.data import distill
