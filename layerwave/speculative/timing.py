@@ -4,10 +4,10 @@ The last measurement of the pipeline: every speedup the project reports (`experi
 `experiments/bench_speculative.py`, `layerwave.compare`) comes from `paired_speedup`. On a shared machine
 the speed of the same code drifts several-fold as other jobs come and go (BENCHMARKS.md), so plain decoding
 timed once and speculation timed minutes later gives a ratio of two different machines. Here each batch is
-decoded by both, back to back, `repeats` times, in ABBA order (plain first in even pairs, speculative first in odd ones, so a linear drift
-cancels), after one untimed warm-up of each (compilation outside the clock). Each pair gives one ratio of
-tokens per second (speculative ÷ plain: at T > 0 the two may emit different numbers of tokens); the
-speedup is the median ratio, with its quartiles and range over the pairs.
+decoded by both, back to back, `repeats` times, in ABBA order (plain first in even pairs, speculative first in
+odd ones, so a linear drift cancels), after one untimed warm-up of each (compilation outside the clock).
+Each pair gives one ratio of tokens per second (speculative ÷ plain: at T > 0 the two may emit different
+numbers of tokens); the speedup is the median ratio, with its quartiles and range over the pairs.
 
 Where a speedup comes from: when both functions report their loop's `steps` (plain decode steps; speculative
 iterations, each one draft + verify), the speedup splits into two measured factors,
