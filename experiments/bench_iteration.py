@@ -16,7 +16,12 @@ draft with a cache filled to `--context` tokens, alternated round by round so al
 Then whole iterations: `layerwave.speculative.generate` and plain `layerwave.generate` of `--new_tokens` on
 one real chat prompt (EOS ignored, compilation outside the clock), giving ms per iteration, the measured
 iteration cost and the break-even τ per chain (and per EAGLE-2 tree of `--trees`, depth x top-k x tokens); the
-parts' sum shows what the loop's bookkeeping adds.
+parts' sum shows what the loop's bookkeeping adds. Each decode's tokens shared with plain decoding's are
+counted: all of them in float32; a bfloat16 `--dtype` may flip near-ties between a T-token forward and a
+1-token one, which changes the text from there on (each output is still the bf16 target's own greedy decoding
+of a verified prefix).
+
+  python experiments/bench_iteration.py --dtype=bfloat16 --chains=2,3 --trees=3x3x8
 
   python experiments/bench_iteration.py --chains=2,3 --trees=4x4x16,3x2x6
 """
@@ -34,7 +39,7 @@ from absl import flags
 from flax import nnx
 
 from layerwave import metrics as metrics_lib
-from layerwave.inference import cached_forward, load_target, new_cache
+from layerwave.inference import cached_forward, compute_dtype, load_target, new_cache
 from layerwave.models.kv_cache import causal_mask
 from layerwave.sampling import SamplingParams
 from layerwave.speculative import decode
@@ -47,6 +52,8 @@ _CONTEXT = flags.DEFINE_integer("context", 200, "Tokens already in the caches fo
 _NEW = flags.DEFINE_integer("new_tokens", 128, "New tokens of the whole-iteration runs.")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed rounds of the parts (median).")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed whole decodes per setting (median).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "The target's parameter and compute dtype (its caches and the features follow it).")
 PROMPT = "Explain how a hash map works, with a short example in Python."
 
 
@@ -54,13 +61,14 @@ def _parts(target, draft, chains):
   """name -> zero-argument function, each one jitted part of an iteration at batch 1."""
   cfg = target.config
   slots = _CONTEXT.value + 64
-  cache = new_cache(cfg, 1, slots, jnp.float32, target.mesh)
+  dtype = compute_dtype(target.graphdef, target.params)
+  cache = new_cache(cfg, 1, slots, dtype, target.mesh)
   lengths = jnp.asarray([_CONTEXT.value], jnp.int32)
   merged = nnx.merge(draft.graphdef, draft.params)
   dcache = new_cache(merged.config.model, 1, slots, merged.compute_dtype, target.mesh)
   layer_ids = tuple(draft.config.layer_ids)
   greedy = SamplingParams(0.0, 0, 1.0)
-  h = jnp.zeros((1, cfg.hidden_size), jnp.float32)
+  h = jnp.zeros((1, cfg.hidden_size), merged.compute_dtype)  # the draft's own state
 
   def verify_fn(t, hidden):
     @jax.jit
@@ -78,7 +86,7 @@ def _parts(target, draft, chains):
     return lambda: fn(draft.params, h, lengths, dcache, jax.random.key(0))
 
   def commit_fn(t):
-    feats = jnp.zeros((len(layer_ids), 1, t, cfg.hidden_size), jnp.float32)
+    feats = jnp.zeros((len(layer_ids), 1, t, cfg.hidden_size), dtype)
     fn = jax.jit(lambda p, f, c, lengths: decode._draft_commit(  # pylint: disable=protected-access
         nnx.merge(draft.graphdef, p), f, jnp.ones((1, t), jnp.int32), lengths, lengths * 0 + t - 1, c))
     return lambda: fn(draft.params, feats, dcache, lengths)
@@ -102,7 +110,7 @@ def main(argv):
   if len(trees) != len(_TREES.value):
     raise app.UsageError(f"--trees must be DEPTHxTOPKxTOKENS with positive integers (e.g. 4x4x16), got "
                          f"{_TREES.value}.")
-  target = load_target(_MODEL.value)
+  target = load_target(_MODEL.value, _DTYPE.value)
   draft = decode.as_loaded_draft(layerwave.load_draft(_DRAFT.value, target), target.mesh)
   parts = _parts(target, draft, chains)
   for fn in parts.values():
@@ -113,8 +121,8 @@ def main(argv):
       times[name].append(metrics_lib.timed(fn) * 1e3)
   ms = {name: statistics.median(t) for name, t in times.items()}
   step = ms["plain step"]
-  print(f"## Parts at batch 1 (context {_CONTEXT.value} tokens; medians of {_REPEATS.value} alternated rounds; "
-        f"{platform.machine()}, {jax.devices()[0].platform})\n")
+  print(f"## Parts at batch 1 (target in {_DTYPE.value}; context {_CONTEXT.value} tokens; medians of "
+        f"{_REPEATS.value} alternated rounds; {platform.machine()}, {jax.devices()[0].platform})\n")
   print("| part | ms | ÷ plain step |\n|---|---|---|")
   for name, value in ms.items():
     print(f"| {name} | {value:.2f} | {value / step:.2f} |")
@@ -134,13 +142,16 @@ def main(argv):
   stats = {}
   for _ in range(_RUNS.value):
     for name, fn in runs.items():
-      seconds[name].append(metrics_lib.timed(lambda fn=fn, name=name: stats.__setitem__(name, fn()[1])))
+      seconds[name].append(metrics_lib.timed(lambda fn=fn, name=name: stats.__setitem__(name, fn())))
+  tokens = {name: [int(t) for t in out[0][0]] for name, out in stats.items()}
+  stats = {name: out[1] for name, out in stats.items()}
   per_step = statistics.median(seconds["plain"]) * 1e3 / stats["plain"]["steps"]
   print(f"\n## Whole decodes ({_NEW.value} new tokens, one prompt, EOS ignored; medians of {_RUNS.value} "
         "alternated runs)\n")
   print(f"plain: {per_step:.2f} ms per decode step\n")
-  print("| setting | τ | ms / iteration | iteration cost (break-even τ) | parts' sum ÷ plain step | speedup |")
-  print("|---|---|---|---|---|---|")
+  print("| setting | τ | ms / iteration | iteration cost (break-even τ) | parts' sum ÷ plain step | speedup | "
+        "tokens equal to plain's |")
+  print("|---|---|---|---|---|---|---|")
   for name in runs:
     if name == "plain":
       continue
@@ -151,7 +162,16 @@ def main(argv):
       k = int(name.removeprefix("chain"))
       parts = f"{(ms[f'verify(T={k + 1})'] + ms[f'draft chain K={k}'] + ms[f'draft commit(T={k + 1})']) / step:.2f}"
     print(f"| {name} | {m['tau']:.2f} | {per_iter:.2f} | {per_iter / per_step:.2f} | {parts} | "
-          f"{statistics.median(seconds['plain']) / statistics.median(seconds[name]):.2f}x |")
+          f"{statistics.median(seconds['plain']) / statistics.median(seconds[name]):.2f}x | "
+          f"{_common_prefix(tokens[name], tokens['plain'])} of {len(tokens['plain'])} |")
+
+
+def _common_prefix(a, b):
+  """How many leading tokens two decodes share."""
+  n = 0
+  while n < min(len(a), len(b)) and a[n] == b[n]:
+    n += 1
+  return n
 
 
 if __name__ == "__main__":

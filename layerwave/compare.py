@@ -317,7 +317,8 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()
   decoding = dataclasses.asdict(evaluate_lib.DecodeSettings.from_config(config.speculate,
                                                                         max_new_tokens=cmp.max_new_tokens))
-  for key in ("temperature", "prompt_width") + (() if cmp.speedup else ("timing_repeats",)):
+  # `plain` is what `auto`'s tuning decides, never a config field.
+  for key in ("temperature", "prompt_width", "plain") + (() if cmp.speedup else ("timing_repeats",)):
     decoding.pop(key)
   out["speculate"] = {**decoding.pop("spec"), **decoding}  # flat, as the section names its fields
   if not cmp.analysis:

@@ -13,6 +13,7 @@ Legend (`layerwave.axes`): K draft depth.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -127,7 +128,9 @@ class DecodeSettings:
     spec: how to draft (`decode.SpecOptions`).
     auto: choose `spec` by measurement before decoding (`speculate.method="auto"`, `tuner.tune`): chains of
       1 .. `spec.num_draft_tokens` and the small trees of `tuner.AUTO_TREES`, each timed end to end against
-      plain decoding on the first prompts; the fastest wins.
+      plain decoding on the first prompts; the fastest wins, and when none beat plain decoding there, `plain`.
+    plain: decode without the draft (`layerwave.generate`), reported as speculation that drafts nothing (τ 1):
+      what `auto` settles on when speculation does not pay on this machine at this batch size and sampling.
   """
 
   max_new_tokens: int
@@ -139,6 +142,7 @@ class DecodeSettings:
   prompt_width: int = 0
   spec: decode.SpecOptions = decode.SpecOptions()
   auto: bool = False
+  plain: bool = False
 
   def __post_init__(self):
     for name in ("max_new_tokens", "batch_size", "timing_repeats"):
@@ -160,12 +164,15 @@ class DecodeSettings:
     s = self.spec
     if self.auto:
       return f"auto (chain K<={s.num_draft_tokens} or a small tree)"
+    if self.plain:
+      return "plain (no setting beat it)"
     return s.method + (f" K={s.num_draft_tokens}" if s.method == "chain" else
                        f" d={s.tree_depth} k={s.tree_top_k} n={s.tree_tokens}")
 
   def tuned(self, target, draft, prompts: Sequence[Sequence[int]], seed: int) -> tuple[DecodeSettings,
                                                                                          tuner.Tuning | None]:
-    """With `auto`: the settings with the tuner's choice, and the tuning; otherwise `(self, None)`."""
+    """With `auto`: the settings with the tuner's choice (`plain` when no candidate beat plain decoding), and
+    the tuning; otherwise `(self, None)`."""
     if not self.auto:
       return self, None
     budgets = tuple(b for b in tuner.AUTO_TREES if b.top_k <= draft.config.draft_vocab_size)
@@ -173,7 +180,7 @@ class DecodeSettings:
                         max_new_tokens=min(self.max_new_tokens, 64), temperature=self.temperature,
                         top_k=self.top_k, top_p=self.top_p, seed=seed,
                         chain_lengths=range(1, self.spec.num_draft_tokens + 1), tree_budgets=budgets)
-    return dataclasses.replace(self, spec=tuning.choice.spec, auto=False), tuning
+    return dataclasses.replace(self, spec=tuning.choice.spec, auto=False, plain=not tuning.beats_plain), tuning
 
 
 def decode_fns(target, draft, settings: DecodeSettings, seed: int):
@@ -184,7 +191,18 @@ def decode_fns(target, draft, settings: DecodeSettings, seed: int):
       target, ids, settings.max_new_tokens, **sampling, return_stats=True)
   spec = lambda ids: speculative_generate(  # noqa: E731
       target, draft, ids, settings.max_new_tokens, **sampling, **dataclasses.asdict(settings.spec))
-  return plain, spec
+  return plain, (functools.partial(plain_as_speculation, plain) if settings.plain else spec)
+
+
+def plain_as_speculation(plain_fn, ids):
+  """`plain_fn(ids)` (plain decoding with stats) reported as speculation that drafts nothing: every token its
+  own verification (τ 1, no acceptance by depth), so `DecodeSettings.plain` rows fit the speculative tables."""
+  out, stats = plain_fn(ids)
+  metrics = decode.acceptance_metrics(np.asarray([[len(o)] for o in out], np.int64))
+  new_tokens = sum(len(o) for o in out)
+  metrics.update(steps=int(stats["steps"]), new_tokens=new_tokens, method="plain",
+                 accept_lengths=[[0] * len(o) for o in out])
+  return out, metrics
 
 
 @dataclasses.dataclass

@@ -9,8 +9,9 @@ Every candidate (a few chains and small trees) decodes the calibration prompts e
 with plain decoding of the same batch in ABBA order (`timing.paired_speedup`, the benchmark's own
 measurement): the candidate's speedup is the median of its pairs' ratios of tokens per second, and the
 candidate with the highest one wins (the first listed on a tie). When none beats plain decoding the tuning
-says so (`Tuning.beats_plain`). Nothing is predicted from separately timed parts: such predictions were off
-by enough to reverse the ranking (BENCHMARKS.md, "`method=auto` now times every candidate end to end").
+says so (`Tuning.beats_plain`), and `method="auto"` then decodes plainly (`evaluate.DecodeSettings.plain`).
+Nothing is predicted from separately timed parts: such predictions were off by enough to reverse the ranking
+(BENCHMARKS.md, "`method=auto` now times every candidate end to end").
 
 `tune` returns the choice with every candidate's timing, so a launcher can print the table next to what the
 chosen and the fixed settings then measure (experiments/bench_speculative.py).
@@ -108,7 +109,7 @@ class Tuning:
       lines.append(f"| {c.name}{mark} | {c.tau:.2f} | {m['tokens_per_s']:.1f} | {m['ar_tokens_per_s']:.1f} | "
                    f"{c.speedup:.2f}x [{m['speedup_p25']:.2f}, {m['speedup_p75']:.2f}] |")
     if not self.beats_plain:
-      lines.append("No setting beats plain decoding on this machine at this batch size.")
+      lines.append("No setting beats plain decoding on this machine at this batch size: `auto` decodes plainly.")
     return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:

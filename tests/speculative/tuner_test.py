@@ -128,6 +128,9 @@ def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
   ev = evaluate.evaluate(target, trained, PROMPTS, settings, seed=0, paired=False)
   assert ev.tuning is not None and not ev.settings.auto
   assert ev.settings.spec == ev.tuning.choice.spec
+  # When nothing beat plain decoding at calibration, auto decodes plainly (τ 1); otherwise with the choice.
+  assert ev.settings.plain == (not ev.tuning.beats_plain)
+  assert (evaluate.summary(ev)["tau"] == 1.0) if ev.settings.plain else ev.settings.name == ev.tuning.choice.name
   assert {"chain K=1", "chain K=2"} <= {c.name for c in ev.tuning.candidates}
   assert all(c.spec.num_draft_tokens <= 2 for c in ev.tuning.candidates if c.spec.method == "chain")
   plain = layerwave.generate(target, PROMPTS, 8)
@@ -135,6 +138,27 @@ def test_auto_settings_decode_with_the_choice_and_stay_lossless(llama):
   summary = evaluate.summary(ev)
   assert summary["auto"]["choice"] == ev.tuning.choice.name and summary["setting"] == ev.settings.name
   assert "(auto)" in evaluate.table(summary, settings)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_settings_decode_plainly_as_speculation_that_drafts_nothing(llama, temperature):
+  """What auto settles on when no setting pays: plain decoding, in the speculative rows' format, timed in pairs."""
+  target, _, trained = llama
+  settings = evaluate.DecodeSettings(max_new_tokens=8, batch_size=2, timing_repeats=1, temperature=temperature,
+                                     spec=decode.SpecOptions(num_draft_tokens=2), plain=True)
+  assert settings.name == "plain (no setting beat it)"
+  ev = evaluate.evaluate(target, trained, PROMPTS, settings, seed=3, paired=True)
+  # Both sides are plain decoding of the same batches with the same seed: the same tokens at any temperature.
+  plain = ev.timed.plain_outputs
+  assert ev.outputs == plain and len(plain) == len(PROMPTS)
+  if temperature == 0:
+    assert plain == layerwave.generate(target, PROMPTS, 8)
+  m = evaluate.summary(ev)
+  n = sum(len(o) for o in plain)
+  assert m["tau"] == 1.0 and m["acceptance"] == [] and m["accept_length_hist"] == [n] and m["verify_calls"] == n
+  assert m["effective_tau"] == pytest.approx(1.0) and m["equal_to_ar"] == 1.0
+  assert ev.prompt_stats() == [[len(o), len(o)] for o in plain]
+  assert "plain (no setting beat it)" in evaluate.table(m, settings)
 
 
 def test_auto_from_the_config():
