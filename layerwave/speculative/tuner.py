@@ -104,7 +104,8 @@ class Tuning:
              "| setting | τ | spec tok/s | plain tok/s | speedup (paired) [p25, p75] |",
              "|---|---|---|---|---|"]
     for c in self.candidates:
-      mark = " (chosen)" if c is self.choice else ""
+      # When nothing beats plain decoding `auto` decodes plainly: the best candidate is then not what runs.
+      mark = (" (chosen)" if self.beats_plain else " (best; plain decoding chosen)") if c is self.choice else ""
       m = c.measured.summary()
       lines.append(f"| {c.name}{mark} | {c.tau:.2f} | {m['tokens_per_s']:.1f} | {m['ar_tokens_per_s']:.1f} | "
                    f"{c.speedup:.2f}x [{m['speedup_p25']:.2f}, {m['speedup_p75']:.2f}] |")
