@@ -232,7 +232,7 @@ extra-check: setup
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
-# store of every depth of their first 4,000 conversations (bf16, ~37 GB) and their held-out split in float32;
+# store of every depth of their first 2,000 conversations (bf16, ~18 GB) and their held-out split in float32;
 # then every layer set x 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
 # (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides).
 PAPER ?= $(RUNS)/paper
