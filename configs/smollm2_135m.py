@@ -217,7 +217,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.budget_sets = ()  # ("auto",): the baseline, the 3 best and the 2 worst by sim τ, once 1x is done
   c.compare.seeds = 3  # training seeds 0..seeds-1 per set (init and data order)
   c.compare.datasets = ("mtbench", "humaneval", "gsm8k")  # held-out prompts (first turns)
-  c.compare.num_prompts = 8  # per dataset
+  c.compare.num_prompts = 8  # per dataset; 0: no decoding in the cells (held-out sim τ only, sort_by=sim_tau)
   c.compare.max_prompt_tokens = 256  # prompts longer than this are skipped
   c.compare.temperatures = (0.0, 1.0)  # the first is the primary metric
   c.compare.max_new_tokens = 64
@@ -361,7 +361,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # eagle3's one-shallower twin (a tool confusing the index conventions) and a late contiguous foil.
     c.compare.manual = "1,14,26;25,26,27"
     c.compare.ks = (1, 5, 9)
-    c.compare.num_prompts = 4
+    # Cells are scored by held-out sim τ alone (τ on 4 prompts a dataset was noise beside it, and cost a
+    # decoding run a cell); the finalists decode 80 prompts a dataset.
+    c.compare.num_prompts = 0
     c.compare.temperatures = (0.0,)
     c.compare.finalists = 3
     c.compare.finalist_prompts = 80

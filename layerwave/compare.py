@@ -55,7 +55,7 @@ from layerwave.training import loop
 from layerwave.training import probe as probe_lib
 from layerwave.training import release as release_lib
 from layerwave.training import restore
-from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions
+from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions, expand_home, home_as_tilde
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
@@ -179,6 +179,10 @@ class CompareOptions:
     if self.max_new_tokens < 1 or self.num_prompts < 0:
       raise ValueError(f"compare.max_new_tokens must be >= 1 and compare.num_prompts >= 0, got "
                        f"{self.max_new_tokens} and {self.num_prompts}.")
+    if self.num_prompts == 0 and (self.speedup or self.release or self.sort_by == "tau"):
+      raise ValueError("compare.num_prompts=0 decodes no prompt in the cells (held-out sim τ only), so there is "
+                       "no speculative τ to sort by nor speedup to time: set compare.sort_by=sim_tau, "
+                       "compare.speedup=False and compare.release='', or compare.num_prompts >= 1.")
 
   @classmethod
   def from_config(cls, compare) -> CompareOptions:
@@ -339,8 +343,9 @@ def fingerprint(config) -> tuple[str, dict]:
 
 def check_workdir(workdir: str, config) -> None:
   """Records the config in `W/compare.json`, or refuses a workdir written under a different one (naming the
-  fields that differ)."""
-  _, d = fingerprint(config)
+  fields that differ). Paths under the home directory are recorded as "~/..." and compared expanded, so that
+  a sweep released from one machine (`layerwave.compare_release`) resumes on another whose home differs."""
+  d = home_as_tilde(fingerprint_settings(config))
   path = os.path.join(workdir, "compare.json")
   cells = os.path.join(workdir, "cells")
   if not os.path.exists(path) and os.path.isdir(cells) and any(
@@ -348,12 +353,15 @@ def check_workdir(workdir: str, config) -> None:
     raise ValueError(f"{workdir} holds finished cells but no compare.json: a comparison of an older layerwave "
                      "(e.g. the 61k-token sweep), whose budget and settings cannot be checked against this "
                      "config. Use a new --workdir.")
-  options_lib.record_settings(path, d, "comparison results")
+  options_lib.record_settings(path, d, "comparison results", normalize=expand_home)
 
 
-def recipe_key(recipe: Recipe) -> str:
-  """What a cell's result.json records of the recipe it trained with (`Recipe.fingerprint_settings`)."""
-  return options_lib.fingerprint(recipe.fingerprint_settings())
+def recipe_key(recipe: Recipe, *, legacy: bool = False) -> str:
+  """What a cell's result.json records of the recipe it trained with (`Recipe.fingerprint_settings`, paths
+  under the home directory as "~/...", so that released cells match on any machine; `legacy`: as absolute
+  paths, which cells written before that recorded)."""
+  settings = recipe.fingerprint_settings()
+  return options_lib.fingerprint(settings if legacy else home_as_tilde(settings))
 
 
 def cell_recipe(recipe: Recipe, seed: int, budget: float = 1.0) -> Recipe:
@@ -395,7 +403,9 @@ def budget_key(budget: float) -> str:
 
 def eval_prompts(compare: CompareOptions, tokenizer, chat_format: str = "template") -> dict[str, list[list[int]]]:
   """Held-out prompts per dataset, in `data.chat_format`: the first `num_prompts` first turns of ≤
-  max_prompt_tokens."""
+  max_prompt_tokens (none with `num_prompts` 0: the cells are scored by held-out sim τ alone)."""
+  if not compare.num_prompts:
+    return {}
   return {name: [ids for _, ids in evaluate_lib.chat_prompts(tokenizer, name, compare.num_prompts,
                                                               compare.max_prompt_tokens, section="compare",
                                                               chat_format=chat_format)]
@@ -411,7 +421,7 @@ def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings
   per-pair tokens/s ratios, with its quartiles, and at T = 0 the outputs are compared token for token.
   """
   result = {}
-  for t in temperatures:
+  for t in temperatures if prompts else ():
     at_t = dataclasses.replace(settings, temperature=t)
     # Compilation stays outside the clock only when timed (paired_speedup warms each shape up first).
     runs = {name: evaluate_lib.evaluate(target, draft, ps, at_t, seed, paired=speedup, warmup=speedup)
@@ -495,7 +505,7 @@ def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target,
       with open(path) as f:
         result = json.load(f)
       want = recipe_key(cell_recipe(recipe, seed, budget))
-      if result.get("recipe") != want:
+      if result.get("recipe") not in (want, recipe_key(cell_recipe(recipe, seed, budget), legacy=True)):
         raise ValueError(f"Cell {cell_dir} was trained with another recipe (key {result.get('recipe')}, this "
                          f"sweep's is {want}): every cell must share the sweep's budget, data and order. Delete "
                          "that cell's folder to retrain it, or use a new --workdir.")
@@ -512,10 +522,12 @@ def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target,
                                       hidden_size=record.hidden_size, strategy=s.name)
     train = loop.train(target, layers, cell_recipe(recipe, seed, budget), cell_dir)
     train_seconds = time.perf_counter() - tic
-    logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", offset + i + 1, offset + len(cells),
-                 s.name, seed, ", ".join(prompts))
-    draft = restore.load_draft(cell_dir, target)
-    evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
+    evaluation = {}
+    if prompts:
+      logging.info("Cell %d/%d: %s seed %d — speculative decoding on %s", offset + i + 1, offset + len(cells),
+                   s.name, seed, ", ".join(prompts))
+      draft = restore.load_draft(cell_dir, target)
+      evaluation = evaluate_draft(target, draft, prompts, settings, cmp.temperatures, seed, cmp.speedup)
     result = {"ids": list(s.ids), "seed": seed, "budget": budget,
               "recipe": recipe_key(cell_recipe(recipe, seed, budget)), "train": train,
               "train_seconds": train_seconds, "eval": evaluation,
@@ -527,7 +539,7 @@ def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target,
     done_here += 1
     t0 = temperature_key(cmp.temperatures[0])
     logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", offset + i + 1,
-                 offset + len(cells), s.name, seed, t0, evaluation[f"{t0}/all"]["tau"],
+                 offset + len(cells), s.name, seed, t0, evaluation.get(f"{t0}/all", {}).get("tau", math.nan),
                  train.get("heldout_sim_tau", float("nan")), time.perf_counter() - tic)
 
 
@@ -554,7 +566,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   prompts = eval_prompts(cmp, target.tokenizer, str(config.data.chat_format))
   settings = evaluate_lib.DecodeSettings.from_config(
       config.speculate, max_new_tokens=cmp.max_new_tokens,
-      prompt_width=max(len(p) for ps in prompts.values() for p in ps))
+      prompt_width=max((len(p) for ps in prompts.values() for p in ps), default=cmp.max_prompt_tokens))
   check_workdir(workdir, config)  # after every input was validated: a failed start records nothing
   # Seed-major: after the first pass every set has one seed, so a partial run already compares them all.
   # Then the dynamics: the budget sets again at each of compare.budgets.

@@ -146,7 +146,7 @@ def summarize(sets: Sequence[Any], results: dict[tuple[str, int], dict], seeds: 
       diffs = [vals[k] - base[k] for k in vals if k in base and vals[k] is not None and base[k] is not None]
       row["vs_baseline"][m] = mean_ci(diffs)
     acc = [results[(s.key, seed)]["eval"][f"{temps[0]}/all"]["acceptance"] for seed in seeds
-           if (s.key, seed) in results]
+           if f"{temps[0]}/all" in results.get((s.key, seed), {}).get("eval", {})]
     row["acceptance"] = np.mean(np.asarray(acc, np.float64), axis=0).tolist() if acc else []
     rows.append(row)
   primary = f"{temps[0]}/all"

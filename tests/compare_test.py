@@ -24,6 +24,7 @@ from scipy import stats as scipy_stats
 
 import layerwave
 from layerwave import compare
+from layerwave import compare_release
 from layerwave import compare_table
 from layerwave import layer_ids
 from layerwave.analysis import report
@@ -196,6 +197,9 @@ def test_compare_options_parse_the_section_once():
     ({"finalists": 3, "finalist_seeds": 2, "seeds": 1}, r"compare\.finalist_seeds in \[1, compare\.seeds=1\]"),
     ({"finalist_prompts": 0}, r"compare\.finalist_prompts >= 1"),
     ({"release_batch_size": 0}, r"compare\.release_batch_size must be >= 1"),
+    ({"num_prompts": 0}, r"compare\.num_prompts=0 decodes no prompt .* set compare\.sort_by=sim_tau"),
+    ({"num_prompts": 0, "sort_by": "sim_tau", "speedup": True}, r"no speculative τ to sort by nor speedup"),
+    ({"num_prompts": 0, "sort_by": "sim_tau", "release": "x"}, r"compare\.release=''"),
 ])
 def test_compare_options_refuse_bad_values_naming_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -607,6 +611,28 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "Dynamics: held-out sim τ as the budget grows" in md and "Finalists: speculative τ on 3 mtbench" in md
+  # What the sweep's CPU-hours made, released (layerwave.compare_release) and put back on a "new machine": a
+  # fresh workdir with no analysis. Nothing trains or decodes again, and the table is the same.
+  sweep = str(tmp_path / "sweep-release")
+  packed = compare_release.pack(workdir, sweep, commands=["make paper-compare"])
+  assert packed["cells_by_budget"] == {"x0.5": 1, "x1": 3} and packed["cells"] == 4
+  assert {"release/tiny-eagle3.json", "finalists/L2-4-5/seed0.json"} <= set(packed["other_results"])
+  moved = str(tmp_path / "moved")
+  assert compare_release.unpack(sweep, moved)["written"] == 4 + len(packed["other_results"])
+  grown = dict(compare__manual=manual_flag, compare__release="tiny-eagle3", compare__budgets=(0.5,),
+               compare__budget_sets=("eagle3",), compare__finalists=1, compare__finalist_prompts=3,
+               compare__finalist_temperatures=(0.0, 1.0))
+  run(**grown)
+  log = _compare_in_process(tiny_chat_target_dir, moved, caplog, **grown)
+  assert "— training" not in log and "speculative decoding" not in log
+  with open(os.path.join(workdir, "results.json")) as a, open(os.path.join(moved, "results.json")) as b:
+    here, there = json.load(a), json.load(b)
+  for key in ("rows", "dynamics", "finalists", "release", "spearman_objective"):
+    assert here[key] == there[key], key
+  assert compare_release.pack(moved, sweep)["commands"] == ["make paper-compare"]  # kept from the release
+  os.remove(os.path.join(moved, "cells", "L2-4-5", "seed0", "result.json"))
+  with pytest.raises(compare_release.ReleaseError, match="unpack the release into the workdir first"):
+    compare_release.pack(moved, sweep)  # packing would lose a released cell
   log = run(compare__release="no-such-draft", compare__report_only=True)
   assert "no such release" in log and "releases: tiny-eagle3" in log
   with open(os.path.join(workdir, "results.md")) as f:
@@ -654,7 +680,7 @@ def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, t
            "--config.train.bucket_widths=16,32",
            "--config.compare.sets=eagle3,exhaustive,cka_only", "--config.compare.lams=", "--config.compare.num_random=1",
            "--config.compare.manual=1,2,3;5,6,7", "--config.compare.ks=1,4", "--config.compare.seeds=2",
-           "--config.compare.datasets=mtbench", "--config.compare.num_prompts=1", "--config.compare.max_new_tokens=8",
+           "--config.compare.datasets=mtbench", "--config.compare.max_new_tokens=8",
            "--config.compare.finalists=1", "--config.compare.finalist_prompts=2", "--config.compare.probe_tokens=200",
            "--config.compare.probe_vocab=8"]
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "compare_layers.py")] + common + sizes + [
@@ -678,3 +704,4 @@ def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, t
     md = f.read()
   assert "What predicts τ" in md and "Finalists:" in md and "Dynamics:" in md
   assert os.path.exists(os.path.join(workdir, "plots", "sim_tau.png"))
+

@@ -75,3 +75,44 @@ def test_released_drafts_load_by_name_and_decode_as_plain_greedy(directory):
   spec, stats = layerwave.speculative.generate(target, draft, prompts, 48, num_draft_tokens=3)
   assert [list(map(int, r)) for r in spec] == [list(map(int, r)) for r in plain]
   assert stats["tau"] > 1.2
+
+
+def _sweeps():
+  from layerwave import compare_release  # pylint: disable=g-import-not-at-top
+  return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "releases", "*", release.MANIFEST))
+                if json.load(open(p, encoding="utf-8")).get("format") == compare_release.FORMAT)
+
+
+@pytest.mark.parametrize("directory", _sweeps(), ids=os.path.basename)
+def test_released_sweeps_are_what_their_command_runs_now(directory):
+  """Checksums; then the config the manifest's command builds (`--config...` flags, as the launcher parses
+  them) has the released settings' fingerprint, so `make paper-compare` resumes the released cells rather than
+  refusing them; and every released cell records the recipe that config gives its seed and budget."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from layerwave import compare, compare_release  # pylint: disable=g-import-not-at-top
+  from layerwave import options as options_lib  # pylint: disable=g-import-not-at-top
+  from layerwave.training.options import Recipe, expand_home, home_as_tilde  # pylint: disable=g-import-not-at-top
+  manifest = compare_release.verify(directory)
+  command = next(c for c in manifest["commands"] if "compare_layers.py" in c)
+  args = [expand_home(a) for a in command.rstrip(")").split() if a.startswith("--config")]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=fv)
+  cwd = os.getcwd()
+  os.chdir(ROOT)  # the command names configs/ relative to the repository
+  try:
+    fv(["compare_layers.py"] + args)
+  finally:
+    os.chdir(cwd)
+  config = fv.config
+  with open(os.path.join(directory, compare_release.SETTINGS), encoding="utf-8") as f:
+    recorded = json.load(f)
+  assert options_lib.fingerprint(home_as_tilde(compare.fingerprint_settings(config))) == recorded["fingerprint"]
+  with open(os.path.join(directory, compare_release.RESULTS), encoding="utf-8") as f:
+    results = json.load(f)
+  recipe = Recipe.from_config(config)
+  cells = {k: v for k, v in results.items() if k.startswith("cells/")}
+  assert len(cells) == manifest["cells"] > 0
+  for path, cell in cells.items():
+    assert cell["recipe"] == compare.recipe_key(compare.cell_recipe(recipe, cell["seed"], cell["budget"])), path
+    assert path.startswith(f"cells/L{'-'.join(map(str, cell['ids']))}/")
