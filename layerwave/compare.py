@@ -336,8 +336,8 @@ def fingerprint_settings(config) -> dict[str, Any]:
 
 
 def fingerprint(config) -> tuple[str, dict]:
-  """The hash of `fingerprint_settings`, and the settings (recorded in `W/compare.json`)."""
-  d = fingerprint_settings(config)
+  """The hash of `fingerprint_settings` and the settings, home paths as "~/..." (what `W/compare.json` records)."""
+  d = home_as_tilde(fingerprint_settings(config))
   return options_lib.fingerprint(d), d
 
 
@@ -345,7 +345,7 @@ def check_workdir(workdir: str, config) -> None:
   """Records the config in `W/compare.json`, or refuses a workdir written under a different one (naming the
   fields that differ). Paths under the home directory are recorded as "~/..." and compared expanded, so that
   a sweep released from one machine (`layerwave.compare_release`) resumes on another whose home differs."""
-  d = home_as_tilde(fingerprint_settings(config))
+  _, d = fingerprint(config)
   path = os.path.join(workdir, "compare.json")
   cells = os.path.join(workdir, "cells")
   if not os.path.exists(path) and os.path.isdir(cells) and any(

@@ -91,8 +91,7 @@ def test_released_sweeps_are_what_their_command_runs_now(directory):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from layerwave import compare, compare_release  # pylint: disable=g-import-not-at-top
-  from layerwave import options as options_lib  # pylint: disable=g-import-not-at-top
-  from layerwave.training.options import Recipe, expand_home, home_as_tilde  # pylint: disable=g-import-not-at-top
+  from layerwave.training.options import Recipe, expand_home  # pylint: disable=g-import-not-at-top
   manifest = compare_release.verify(directory)
   command = next(c for c in manifest["commands"] if "compare_layers.py" in c)
   args = [expand_home(a) for a in command.rstrip(")").split() if a.startswith("--config")]
@@ -107,7 +106,7 @@ def test_released_sweeps_are_what_their_command_runs_now(directory):
   config = fv.config
   with open(os.path.join(directory, compare_release.SETTINGS), encoding="utf-8") as f:
     recorded = json.load(f)
-  assert options_lib.fingerprint(home_as_tilde(compare.fingerprint_settings(config))) == recorded["fingerprint"]
+  assert compare.fingerprint(config)[0] == recorded["fingerprint"]
   with open(os.path.join(directory, compare_release.RESULTS), encoding="utf-8") as f:
     results = json.load(f)
   recipe = Recipe.from_config(config)
