@@ -598,7 +598,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     summary["sort_by"] = "sim_tau"
   if cmp.finalists:
     summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings,
-                                         str(config.data.chat_format), workdir)
+                                         str(config.data.chat_format), workdir, recipe, record)
   if dynamics:
     summary["dynamics"] = dynamics_summary(dynamics, by_budget, seeds, cmp, prompts, recipe)
   if cmp.release:
@@ -674,14 +674,17 @@ def choose_finalists(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: Com
 
 def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], summary: dict[str, Any],
                   cmp: CompareOptions, settings: evaluate_lib.DecodeSettings, chat_format: str,
-                  workdir: str) -> dict[str, Any]:
+                  workdir: str, recipe: Recipe | None = None,
+                  record: report_lib.AnalysisRecord | None = None) -> dict[str, Any]:
   """Speculative τ of the finalists (`choose_finalists`) on `compare.finalist_prompts` prompts per dataset at
   every temperature, each draft decoding the same prompts, with Δτ against the baseline from a paired bootstrap
   over prompts (`compare_table.finalist_summary`).
 
   Runs once every cell at budget 1× has finished (the ranking needs them all); before that the summary says how
   many cells remain. Each (set, seed) evaluation is kept in `W/finalists/<set key>/seed<s>.json`, so a rerun
-  decodes only what is new; `report_only` decodes nothing.
+  decodes only what is new; `report_only` decodes nothing. A finalist whose cell has a result but no checkpoint
+  (restored from a released sweep, `layerwave.compare_release`) is trained again with its cell's recipe
+  (`recipe`, `record`), and both held-out sim τ are logged and kept.
   """
   need = len({s.key for s in sets}) * cmp.seeds
   if len(results) < need:
@@ -712,11 +715,21 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
           evals[(s.key, seed)] = kept
         continue
       cell_dir = _cell_dir(workdir, s, seed)
+      retrained = None
       if not os.path.isdir(os.path.join(cell_dir, "checkpoints")):
-        raise FileNotFoundError(
-            f"Finalist {s.name} {list(s.ids)} seed {seed} has no checkpoint in {cell_dir} (its cell ran with "
-            "compare.keep_checkpoints=False): retrain that cell (delete its result.json) or set "
-            "compare.finalists=0.")
+        if recipe is None or record is None:
+          raise FileNotFoundError(
+              f"Finalist {s.name} {list(s.ids)} seed {seed} has no checkpoint in {cell_dir}: retrain that cell "
+              "(delete its result.json) or set compare.finalists=0.")
+        recorded = results[(s.key, seed)]["train"].get("heldout_sim_tau", math.nan)
+        logging.info("Finalist %s %s seed %d: no checkpoint in %s (a released cell): training it again with its "
+                     "recipe", s.name, list(s.ids), seed, cell_dir)
+        layers = layer_ids.LayerSelection(ids=s.ids, num_layers=record.num_layers, hidden_size=record.hidden_size,
+                                          strategy=s.name)
+        again = loop.train(target, layers, cell_recipe(recipe, seed), cell_dir)
+        retrained = {"recorded_sim_tau": recorded, "sim_tau": again.get("heldout_sim_tau", math.nan)}
+        logging.info("Finalist %s seed %d retrained: held-out sim τ %.4f (its cell recorded %.4f)", s.name, seed,
+                     retrained["sim_tau"], recorded)
       logging.info("Finalist %s %s seed %d: speculative decoding of %d prompts at T = %s", s.name, list(s.ids),
                    seed, sum(len(p) for p in prompts.values()), ", ".join(f"{t:g}" for t in todo))
       tic = time.perf_counter()
@@ -725,6 +738,8 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
       row = {"ids": list(s.ids), "seed": seed, "prompts_key": prompts_key,
              "eval": {**(kept or {}).get("eval", {}), **new},
              "eval_seconds": (kept or {}).get("eval_seconds", 0.0) + time.perf_counter() - tic}
+      if retrained is not None:
+        row["retrained"] = retrained
       atomic.write_json(path, row)
       evals[(s.key, seed)] = row
   out = finalist_summary(chosen, evals, seeds, cmp, list(prompts))

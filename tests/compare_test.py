@@ -629,6 +629,17 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
     here, there = json.load(a), json.load(b)
   for key in ("rows", "dynamics", "finalists", "release", "spearman_objective"):
     assert here[key] == there[key], key
+  # A finalist whose evaluation is not kept has no checkpoint there either: its cell trains again (the same
+  # recipe and seed give the same draft: the held-out sim τ its cell recorded), then decodes.
+  winner_key = next(s for s in os.listdir(os.path.join(moved, "finalists")) if s != "L2-4-5")
+  os.remove(os.path.join(moved, "finalists", winner_key, "seed0.json"))
+  log = _compare_in_process(tiny_chat_target_dir, moved, caplog, **grown)
+  assert "no checkpoint in" in log and "— training" not in log
+  with open(os.path.join(moved, "finalists", winner_key, "seed0.json")) as f:
+    retrained = json.load(f)["retrained"]
+  assert retrained["sim_tau"] == pytest.approx(retrained["recorded_sim_tau"], abs=1e-5)
+  with open(os.path.join(moved, "results.json")) as f:
+    assert json.load(f)["finalists"]["rows"] == here["finalists"]["rows"]
   assert compare_release.pack(moved, sweep)["commands"] == ["make paper-compare"]  # kept from the release
   os.remove(os.path.join(moved, "cells", "L2-4-5", "seed0", "result.json"))
   with pytest.raises(compare_release.ReleaseError, match="unpack the release into the workdir first"):
