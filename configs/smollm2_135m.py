@@ -336,16 +336,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The paper's experiment at a CPU budget (`make paper`, RESULTS.md): offline cells on one store of every
     # depth of the first 2,000 distilled conversations (give --config.data.source=distilled:D,
     # --config.train.features=S, --config.train.eval_features=H: the held-out split in float32, as at
-    # inference). Every cell: the campaign draft's recipe for train.num_steps (the sweep's budget, ~6 CPU-hours
-    # for the sets below x 3 seeds and the dynamics), held-out sim τ 5 deep; speculative τ for the finalists.
-    # 2,000 conversations: a cell reads 8 of them a step, so even the dynamics' 4x cells (4 x 48 steps) see
-    # each of the ~1,800 training ones at most once, and the store (~18 GB in bf16) fits beside the campaign's.
+    # inference). Every cell: the campaign draft's recipe for train.num_steps, held-out sim τ 5 deep; speculative
+    # τ for the finalists. The budget: 40 steps, the most for which the sweep (18 distinct sets x 3 seeds, the
+    # dynamics' 6 sets x 3 seeds at 1/4x and 4x: 130.5 cells' worth of steps in 90 cells) fits in 6 CPU-hours at
+    # the rates measured on its first cell (2026-12-07, quiet: ~2.3 s a step of the campaign's length buckets,
+    # ~3,000 real tokens, 80 s a cell to compile and score the held-out split; ~30 min for the finalists).
+    # A step reads ~16 conversations, so a 1x cell sees 0.37 epochs of the ~1,800 training ones, a 4x cell 1.5.
+    # The store (~15 GB in bf16 for every depth) fits beside the campaign's.
     # 10 % held out (~200 conversations, the same hash split: a superset of the 5 % one) for a tighter metric.
     c.data.max_length = 512
     c.data.max_records = 2000
     c.data.heldout_fraction = 0.1
     c.draft_model.vocab_size = 4096
-    c.train.num_steps = 48
+    c.train.num_steps = 40
     c.train.lr = 3e-3
     c.train.warmup_steps = 5
     c.train.ttt_steps = 3
