@@ -538,9 +538,9 @@ def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target,
     results[(s.key, seed)] = result
     done_here += 1
     t0 = temperature_key(cmp.temperatures[0])
-    logging.info("Cell %d/%d: %s seed %d — τ(%s) %.3f, held-out sim τ %.3f, %.0f s", offset + i + 1,
-                 offset + len(cells), s.name, seed, t0, evaluation.get(f"{t0}/all", {}).get("tau", math.nan),
-                 train.get("heldout_sim_tau", float("nan")), time.perf_counter() - tic)
+    tau = f"τ({t0}) {evaluation[f'{t0}/all']['tau']:.3f}, " if evaluation else ""
+    logging.info("Cell %d/%d: %s seed %d — %sheld-out sim τ %.3f, %.0f s", offset + i + 1, offset + len(cells),
+                 s.name, seed, tau, train.get("heldout_sim_tau", float("nan")), time.perf_counter() - tic)
 
 
 def run(config, workdir: str) -> dict[str, Any]:

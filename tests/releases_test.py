@@ -96,11 +96,12 @@ def test_released_sweeps_are_what_their_command_runs_now(directory):
   command = next(c for c in manifest["commands"] if "compare_layers.py" in c)
   args = [expand_home(a) for a in command.rstrip(")").split() if a.startswith("--config")]
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, flag_values=fv)
+  argv = ["compare_layers.py"] + args
+  config_flags.DEFINE_config_file("config", None, flag_values=fv, sys_argv=argv)  # it defines the overrides
   cwd = os.getcwd()
   os.chdir(ROOT)  # the command names configs/ relative to the repository
   try:
-    fv(["compare_layers.py"] + args)
+    fv(argv)
   finally:
     os.chdir(cwd)
   config = fv.config
