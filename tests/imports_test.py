@@ -25,7 +25,7 @@ LAYERS = (
     ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.eagle3", "layerwave.export")),
     ("training", ("layerwave.training",)),
     ("speculative", ("layerwave.speculative",)),
-    ("compare", ("layerwave.compare", "layerwave.compare_table")),
+    ("compare", ("layerwave.compare", "layerwave.compare_table", "layerwave.compare_release")),
 )
 # Optional or heavy third-party dependencies that may be imported where they are used.
 DEFERRED_OK = {"torch", "transformers", "tensorboardX", "safetensors", "gguf", "tokenizers",
