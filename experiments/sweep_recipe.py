@@ -79,7 +79,12 @@ def main(argv):
   if _REPORT_ONLY.value:
     result = {n: curves.read_curve(os.path.join(workdir, n)) for n in cells}
   else:
-    result = curves.sweep(_CONFIG.value, cells, workdir, loop.run)
+    def train(config, cell_dir):  # each cell's compiled code freed after it (loop.free_compiled)
+      out = loop.run(config, cell_dir)
+      loop.free_compiled()
+      return out
+
+    result = curves.sweep(_CONFIG.value, cells, workdir, train)
   as_dicts = {n: [dataclasses.asdict(p) for p in points] for n, points in result.items()}
   atomic.write_json(os.path.join(workdir, "curves.json"), {"cells": cells, "curves": as_dicts})
   plots.plot_learning_curves(os.path.join(workdir, "curves.png"), as_dicts,

@@ -26,7 +26,6 @@ Place in the pipeline: after the analysis (`layer_stats.json`), it runs the last
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -34,7 +33,6 @@ import shutil
 import time
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 from absl import logging
 
@@ -471,15 +469,6 @@ def check_store_layers(recipe: Recipe, sets: Sequence[LayerSet]) -> None:
           "experiments/extract_features.py --config.features.depths=..., or drop those sets.")
 
 
-def release_compiled() -> None:
-  """Frees the executables the last cell compiled. Every cell traces its own step and evaluation functions;
-  kept in JAX's caches, their machine code stayed mapped, and a sweep in one process reached the kernel's
-  limit on memory maps (vm.max_map_count, 65,530 by default) after ~8 cells of :paper and crashed in LLVM
-  ("Cannot allocate memory", then a segmentation fault)."""
-  jax.clear_caches()
-  gc.collect()
-
-
 def _cell_dir(workdir: str, layer_set: LayerSet, seed: int, budget: float = 1.0) -> str:
   if budget == 1.0:
     return os.path.join(workdir, "cells", layer_set.key, f"seed{seed}")
@@ -546,7 +535,7 @@ def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target,
     atomic.write_json(path, result)
     if not cmp.keep_checkpoints:
       shutil.rmtree(os.path.join(cell_dir, "checkpoints"), ignore_errors=True)
-    release_compiled()
+    loop.free_compiled()
     results[(s.key, seed)] = result
     done_here += 1
     t0 = temperature_key(cmp.temperatures[0])
@@ -754,7 +743,7 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
         row["retrained"] = retrained
       atomic.write_json(path, row)
       evals[(s.key, seed)] = row
-      release_compiled()
+      loop.free_compiled()
   out = finalist_summary(chosen, evals, seeds, cmp, list(prompts))
   out["prompts_per_dataset"] = {name: len(ps) for name, ps in prompts.items()}
   return out

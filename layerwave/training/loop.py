@@ -22,6 +22,7 @@ Legend (`layerwave.axes`): D target width, V target vocabulary, V_d draft vocabu
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Sequence
@@ -125,6 +126,16 @@ def load_store(path: str, data: DataOptions, target: Target, record: layer_ids.L
   heldout = store.split("heldout", data.max_length) if store.counts("heldout")[0] else None
   train = store.split("train", data.max_length) if store.counts("train")[0] else None
   return store, train, heldout
+
+
+def free_compiled() -> None:
+  """Frees what the runs so far compiled, for a process that trains one run after another (a comparison's cells,
+  a recipe sweep). Every run traces its own step and evaluation functions; kept in JAX's caches, their machine
+  code stayed mapped, and a `:paper` sweep in one process reached the kernel's limit on memory maps
+  (vm.max_map_count, 65,530 by default) after ~8 cells and crashed in LLVM ("Cannot allocate memory", then a
+  segmentation fault)."""
+  jax.clear_caches()
+  gc.collect()
 
 
 def load_extra_store(path: str, store, data: DataOptions, target: Target, record: layer_ids.LayerSelection,
