@@ -24,7 +24,7 @@ from typing import Any
 from layerwave import atomic
 from layerwave.data import release as answers_release
 from layerwave.data.release import ReleaseError
-from layerwave.training.options import expand_home
+from layerwave.training.options import expand_home, home_as_tilde
 
 __all__ = ["pack", "unpack", "verify", "FORMAT", "ReleaseError"]
 
@@ -105,8 +105,8 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None) -> d
       raise ReleaseError(f"{release_dir} holds {len(lost)} results {workdir} lacks (e.g. {lost[0]}): unpack the "
                          "release into the workdir first, so that packing keeps them.")
   with atomic.atomic_directory(release_dir) as staging:
-    with open(analysis, "rb") as src, open(os.path.join(staging, ANALYSIS), "wb") as dst:
-      dst.write(src.read())
+    with open(analysis, encoding="utf-8") as f:  # paths under the home directory as "~/..." (no local path)
+      atomic.write_json(os.path.join(staging, ANALYSIS), home_as_tilde(json.load(f)))
     atomic.write_json(os.path.join(staging, SETTINGS), recorded)
     with open(os.path.join(staging, RESULTS), "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1, sort_keys=True)
@@ -150,17 +150,16 @@ def unpack(release_dir: str, workdir: str) -> dict[str, Any]:
       raise ReleaseError(f"{workdir} holds a sweep of other settings (fingerprint {mine['fingerprint']} vs the "
                          f"release's {recorded['fingerprint']}); unpack into a new workdir.")
   analysis = os.path.join(_analysis_dir(workdir, recorded["settings"]), ANALYSIS)
-  with open(os.path.join(release_dir, ANALYSIS), "rb") as f:
-    stats = f.read()
+  with open(os.path.join(release_dir, ANALYSIS), encoding="utf-8") as f:
+    stats = expand_home(json.load(f))
   if os.path.isfile(analysis):
-    with open(analysis, "rb") as f:
-      if f.read() != stats:
+    with open(analysis, encoding="utf-8") as f:
+      if json.dumps(json.load(f), sort_keys=True) != json.dumps(stats, sort_keys=True):
         raise ReleaseError(f"{analysis} differs from the statistics {release_dir} was swept on: its layer sets "
                            "could differ. Move that analysis aside (the release restores its own), or unpack into "
                            "a new workdir with another compare.analysis.")
   else:
-    with atomic.atomic_file(analysis) as tmp, open(tmp, "wb") as f:
-      f.write(stats)
+    atomic.write_json(analysis, stats)
   if not os.path.isfile(settings_path):
     atomic.write_json(settings_path, recorded)
   with open(os.path.join(release_dir, RESULTS), encoding="utf-8") as f:
