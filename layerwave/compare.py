@@ -590,7 +590,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   predictors = {s.name: set_predictors(record, s.ids) for s in sets}
   if cmp.probe_tokens:
     probes = probe_scores(recipe, sets, cmp, workdir)
-    for s in sets:
+    for s in sets if probes else ():
       predictors[s.name]["linear probe of the next token (its layers concatenated)"] = probes["sets"][s.key[1:]]
       predictors[s.name]["linear probe of the next token (mean over its layers)"] = float(
           np.mean([probes["layers"][str(i)] for i in s.ids]))
@@ -634,10 +634,12 @@ def dynamics_summary(sets: Sequence[LayerSet], by_budget: dict[float, dict], see
   return out
 
 
-def probe_scores(recipe: Recipe, sets: Sequence[LayerSet], cmp: CompareOptions, workdir: str) -> dict[str, Any]:
+def probe_scores(recipe: Recipe, sets: Sequence[LayerSet], cmp: CompareOptions,
+                 workdir: str) -> dict[str, Any] | None:
   """Held-out next-token accuracy of a linear probe per set and per layer (`layerwave.training.probe`), on the
   cells' own training store (`train.features`: its train split fits, its heldout split scores); kept in
-  `W/probe.json` under the store's fingerprint, the probe settings and the sets."""
+  `W/probe.json` under the store's fingerprint, the probe settings and the sets (None with `report_only` and no
+  kept probes)."""
   if not recipe.train.features:
     raise ValueError("compare.probe_tokens reads the cells' feature store: set train.features (an offline "
                      "comparison), or compare.probe_tokens=0.")
@@ -653,6 +655,9 @@ def probe_scores(recipe: Recipe, sets: Sequence[LayerSet], cmp: CompareOptions, 
       cached = json.load(f)
     if cached.get("key") == key:
       return cached
+  if cmp.report_only:
+    logging.info("Linear probes of the next token: not computed yet (compare.report_only trains nothing).")
+    return None
   logging.info("Linear probes of the next token: %d sets, %d tokens of %s", len(ids), options.tokens,
                recipe.train.features)
   out = {"key": key, **probe_lib.probe_sets(recipe.train.features, ids, options)}

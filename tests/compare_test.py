@@ -715,4 +715,14 @@ def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, t
     md = f.read()
   assert "What predicts τ" in md and "Finalists:" in md and "Dynamics:" in md
   assert os.path.exists(os.path.join(workdir, "plots", "sim_tau.png"))
+  # `compare.report_only` (make paper-report) tabulates what is finished and trains nothing, not even the probes.
+  os.remove(os.path.join(workdir, "probe.json"))
+  subprocess.run(cmd + ["--config.compare.report_only=True"], check=True, cwd=ROOT, timeout=900)
+  assert not os.path.exists(os.path.join(workdir, "probe.json"))
+  with open(os.path.join(workdir, "results.json")) as f:
+    reported = json.load(f)
+  sim_taus = lambda s: [(r["name"], r["metrics"]["sim_tau"]["values"]) for r in s["rows"]]  # noqa: E731
+  assert sim_taus(reported) == sim_taus(summary) and list(reported["dynamics"]) == ["x0.25", "x1", "x4"]
+  assert not any(name.startswith("linear probe") for name in reported["spearman_predictors"])
+  assert reported["finalists"]["rows"] == summary["finalists"]["rows"]  # kept evaluations, none decoded again
 
