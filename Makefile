@@ -203,8 +203,9 @@ extract-dtype-check: setup
 # Issue 22's recipe questions, cheaply: a 200-step cell (DTYPE_STEPS) of the campaign's recipe on [2, 15, 27] with one
 # recipe change, paired by seed with the same cell unchanged ("base"), every run scored on the same float32
 # held-out split. They read the paper's store (`make paper-store`, ~20 min to extract; the campaign's 12 GB
-# store is not needed): 200 steps x 8 conversations read 1,600 of its 1,786 training conversations once, as on
-# the campaign's store they read 1,600 of 11,400. The runs resume; finished ones are skipped.
+# store is not needed): with the recipe's length buckets a step holds ~16 of its conversations, so 200 steps
+# read its 1,786 training conversations 1.8 times (on the campaign's store: 3,300 of 11,400, once). The runs
+# resume; finished ones are skipped.
 #   make knob-check KNOB=vocab8192 KNOB_FIELD=draft_model.vocab_size KNOB_FLAGS=--config.draft_model.vocab_size=8192
 #   make knob-check KNOB=k5 KNOB_FIELD=train.ttt_steps KNOB_FLAGS=--config.train.ttt_steps=5
 # (~7 min a run quiet; later flags override KNOB_TRAIN's.)
@@ -224,14 +225,14 @@ knob-check: campaign-data
 # Issue 22's third recipe question, where it can matter: once the target's answers run out. ShareGPT's own
 # answers cost a forward through the target (no generation). A data-limited cell on the paper's store (as
 # knob-check; `make paper-store`): its first EXTRA_SEQUENCES train conversations (a quarter) trained EXTRA_STEPS
-# steps (~5 epochs), three ways, DTYPE_SEEDS seeds each, every run scored on the paper's float32 held-out split:
+# steps (~16 conversations a step: ~5.5 epochs, as the campaign's draft ran 5.1), three ways, DTYPE_SEEDS seeds each, every run scored on the paper's float32 held-out split:
 # alone ("limited"); with the train split of EXTRA_RECORDS ShareGPT conversations beside it ("sharegpt", mixed
 # by count: ~3x as many as the distilled ones, so 4x the sequences in all); and on 4x as many distilled
 # conversations ("distilled4x", what more generation would buy at the same steps). Both paired against
 # "limited". The ShareGPT store holds every depth, as the paper's does (stores trained from together lay out
-# their layers alike): ~15 min and ~16 GB to extract, then ~13 min a run quiet. Runs resume; finished ones skip.
+# their layers alike): ~15 min and ~16 GB to extract, then ~7 min a run quiet. Runs resume; finished ones skip.
 EXTRA_SEQUENCES ?= 446
-EXTRA_STEPS ?= 300
+EXTRA_STEPS ?= 150
 EXTRA_RECORDS ?= 1500
 EXTRA_STORE ?= $(PAPER)/sharegpt-features
 EXTRA_ARM_FLAGS = $(if $(filter sharegpt,$(1)),--config.train.extra_features=$(EXTRA_STORE)) \

@@ -233,6 +233,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.finalist_prompts = 80
   c.compare.finalist_seeds = 1
   c.compare.finalist_temperatures = ()  # empty: compare.temperatures
+  c.compare.finalist_max_prompt_tokens = 0  # the finalists' longest prompt (0: compare.max_prompt_tokens)
   # A linear probe of the next token per set and per layer (`--config.compare.probe_tokens=20000`, offline
   # comparisons: fit on train.features' train split, scored on its heldout split), tested as a predictor of τ.
   c.compare.probe_tokens = 0
@@ -371,6 +372,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.compare.finalists = 3
     c.compare.finalist_prompts = 80
     c.compare.finalist_temperatures = (0.0, 1.0)
+    c.compare.finalist_max_prompt_tokens = 512  # all 80 of each dataset (MT-bench's longest first turn: 402)
     c.compare.probe_tokens = 20000
     c.compare.budgets = (0.25, 4.0)
     c.compare.budget_sets = ("auto",)

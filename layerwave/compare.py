@@ -59,14 +59,16 @@ from layerwave.training.options import DraftModelOptions, Recipe, TrainOptions, 
 
 # summarize, markdown_table and mean_ci are layerwave.compare_table's, reachable here too.
 __all__ = ["CompareOptions", "LayerSet", "layer_sets", "run", "summarize", "markdown_table", "mean_ci",
-           "SET_ITEMS", "auto_dynamics_sets", "choose_finalists", "probe_scores", "run_finalists", "set_predictors"]
+           "SET_ITEMS", "auto_dynamics_sets", "choose_finalists", "finalist_prompts", "probe_scores", "run_finalists",
+           "set_predictors"]
 
 # Items of `compare.sets` besides the selection strategies (selection_lib.STRATEGIES).
 SET_ITEMS = ("nofilter", "entropy_only", "cka_only")
 # Fields of `compare` that may change between a run and its resumption: they add cells, not change them.
 _GROWABLE = ("sets", "lams", "num_random", "manual", "ks", "budgets", "budget_sets", "seeds", "baseline",
              "keep_checkpoints", "report_only", "release", "release_batch_size", "finalists", "finalist_prompts",
-             "finalist_seeds", "finalist_temperatures", "probe_tokens", "probe_vocab", "sort_by")
+             "finalist_seeds", "finalist_temperatures", "finalist_max_prompt_tokens", "probe_tokens", "probe_vocab",
+             "sort_by")
 _RUN_LENGTH = ("stop_after", "log_every", "eval_every", "checkpoint_every")
 
 
@@ -131,6 +133,7 @@ class CompareOptions:
   finalist_prompts: int = 80
   finalist_seeds: int = 1
   finalist_temperatures: tuple[float, ...] = ()
+  finalist_max_prompt_tokens: int = 0
   probe_tokens: int = 0
   probe_vocab: int = 1024
   sort_by: str = "tau"
@@ -164,6 +167,9 @@ class CompareOptions:
       raise ValueError(f"compare.finalists must be >= 0, compare.finalist_prompts >= 1 and "
                        f"compare.finalist_seeds in [1, compare.seeds={self.seeds}]; got {self.finalists}, "
                        f"{self.finalist_prompts} and {self.finalist_seeds}.")
+    if self.finalist_max_prompt_tokens < 0:
+      raise ValueError(f"compare.finalist_max_prompt_tokens must be >= 0 (0: compare.max_prompt_tokens), got "
+                       f"{self.finalist_max_prompt_tokens}.")
     if any(t < 0 for t in self.finalist_temperatures):
       raise ValueError(f"compare.finalist_temperatures must be >= 0 (empty: compare.temperatures), got "
                        f"{self.finalist_temperatures!r}.")
@@ -412,6 +418,22 @@ def eval_prompts(compare: CompareOptions, tokenizer, chat_format: str = "templat
           for name in compare.datasets}
 
 
+def finalist_prompts(compare: CompareOptions, tokenizer, chat_format: str = "template") -> dict[str, list[list[int]]]:
+  """The finalists' prompts: the first `finalist_prompts` of each dataset of ≤ `finalist_max_prompt_tokens`
+  (0: `max_prompt_tokens`) tokens. `run` builds them before any cell trains, so a dataset with too few prompts
+  that short is refused then, not after hours of cells."""
+  longest = compare.finalist_max_prompt_tokens or compare.max_prompt_tokens
+  try:
+    return eval_prompts(dataclasses.replace(compare, num_prompts=compare.finalist_prompts,
+                                            max_prompt_tokens=longest), tokenizer, chat_format)
+  except ValueError as e:
+    if "prompts of <=" not in str(e):
+      raise
+    raise ValueError(f"The finalists decode compare.finalist_prompts={compare.finalist_prompts} prompts of each "
+                     f"dataset of <= {longest} tokens, but {str(e).split(';')[0]}: raise "
+                     "compare.finalist_max_prompt_tokens (e.g. 512) or lower compare.finalist_prompts.") from e
+
+
 def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings, temperatures: Sequence[float],
                    seed: int, speedup: bool = False) -> dict[str, Any]:
   """τ (and per-depth acceptance) per temperature and dataset, pooled over datasets as `all`.
@@ -565,6 +587,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   check_store_layers(recipe, unique.values())
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   prompts = eval_prompts(cmp, target.tokenizer, str(config.data.chat_format))
+  finals = finalist_prompts(cmp, target.tokenizer, str(config.data.chat_format)) if cmp.finalists else {}
   settings = evaluate_lib.DecodeSettings.from_config(
       config.speculate, max_new_tokens=cmp.max_new_tokens,
       prompt_width=max((len(p) for ps in prompts.values() for p in ps), default=cmp.max_prompt_tokens))
@@ -598,8 +621,8 @@ def run(config, workdir: str) -> dict[str, Any]:
   if cmp.sort_by == "sim_tau":
     summary["sort_by"] = "sim_tau"
   if cmp.finalists:
-    summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings,
-                                         str(config.data.chat_format), workdir, recipe, record)
+    summary["finalists"] = run_finalists(target, sets, by_budget[1.0], summary, cmp, settings, finals, workdir,
+                                         recipe, record)
   if dynamics:
     summary["dynamics"] = dynamics_summary(dynamics, by_budget, seeds, cmp, prompts, recipe)
   if cmp.release:
@@ -679,12 +702,12 @@ def choose_finalists(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: Com
 
 
 def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int], dict], summary: dict[str, Any],
-                  cmp: CompareOptions, settings: evaluate_lib.DecodeSettings, chat_format: str,
+                  cmp: CompareOptions, settings: evaluate_lib.DecodeSettings, prompts: dict[str, list[list[int]]],
                   workdir: str, recipe: Recipe | None = None,
                   record: report_lib.AnalysisRecord | None = None) -> dict[str, Any]:
-  """Speculative τ of the finalists (`choose_finalists`) on `compare.finalist_prompts` prompts per dataset at
-  every temperature, each draft decoding the same prompts, with Δτ against the baseline from a paired bootstrap
-  over prompts (`compare_table.finalist_summary`).
+  """Speculative τ of the finalists (`choose_finalists`) on `prompts` (`finalist_prompts`) at every temperature,
+  each draft decoding the same prompts, with Δτ against the baseline from a paired bootstrap over prompts
+  (`compare_table.finalist_summary`).
 
   Runs once every cell at budget 1× has finished (the ranking needs them all); before that the summary says how
   many cells remain. Each (set, seed) evaluation is kept in `W/finalists/<set key>/seed<s>.json`, so a rerun
@@ -699,8 +722,6 @@ def run_finalists(target, sets: Sequence[LayerSet], results: dict[tuple[str, int
   seeds = list(range(cmp.finalist_seeds))
   temperatures = cmp.finalist_temperatures or cmp.temperatures
   cmp = dataclasses.replace(cmp, temperatures=temperatures)  # what finalist_summary tabulates
-  prompts = eval_prompts(dataclasses.replace(cmp, num_prompts=cmp.finalist_prompts), target.tokenizer,
-                         chat_format)
   at = dataclasses.replace(settings, prompt_width=max(len(p) for ps in prompts.values() for p in ps))
   # What a kept evaluation must hold to be reused: these prompts (their hash) at these temperatures.
   prompts_key = options_lib.fingerprint({"prompts": prompts, "settings": dataclasses.asdict(at)})

@@ -196,8 +196,11 @@ def markdown_table(summary: dict[str, Any]) -> str:
   others = [f"{t}/all" for t in temps if f"{t}/all" != primary]
   speed = [m for m in summary["metrics"] if m.startswith("speedup:")]
   equal = [m for m in summary["metrics"] if m.startswith("equal_to_ar:")]
-  head = (["set", "layers", "seeds", "objective", f"τ {primary}", f"Δτ vs {summary['baseline']}"]
-          + [f"τ {primary.split('/')[0]}/{d}" for d in datasets] + [f"τ {m}" for m in others]
+  # With no decoding in the cells (`compare.num_prompts=0`: held-out sim τ alone) the τ columns are left out.
+  decoded = any(r["metrics"][primary]["n"] for r in summary["rows"])
+  tau_head = ([f"τ {primary}", f"Δτ vs {summary['baseline']}"] + [f"τ {primary.split('/')[0]}/{d}" for d in datasets]
+              + [f"τ {m}" for m in others]) if decoded else []
+  head = (["set", "layers", "k", "seeds", "objective"] + tau_head
           + ["held-out sim τ", f"Δ sim τ vs {summary['baseline']}"] + [m.replace("speedup:", "speedup ") for m in speed]
           + ["greedy = plain decoding" for _ in equal])
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -211,10 +214,12 @@ def markdown_table(summary: dict[str, Any]) -> str:
     name = f"**{r['name']}**" if is_base else r["name"]
     if first_with_ids[tuple(r["ids"])] != r["name"]:
       name += f" (= {first_with_ids[tuple(r['ids'])]})"
-    cells = [name, ",".join(map(str, r["ids"])), str(r["metrics"][primary]["n"]), f"{r['objective']:+.3f}",
-             _fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
-    cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
-    cells += [_fmt(r["metrics"][m]) for m in others]
+    seeds = max(r["metrics"][primary]["n"], r["metrics"]["sim_tau"]["n"])
+    cells = [name, ",".join(map(str, r["ids"])), str(len(r["ids"])), str(seeds), f"{r['objective']:+.3f}"]
+    if decoded:
+      cells += [_fmt(r["metrics"][primary]), "(baseline)" if is_base else _fmt(r["vs_baseline"][primary], True)]
+      cells += [_fmt(r["metrics"][f"{primary.split('/')[0]}/{d}"]) for d in datasets]
+      cells += [_fmt(r["metrics"][m]) for m in others]
     cells += [_fmt(r["metrics"]["sim_tau"]),
               "(baseline)" if is_base else _fmt(r["vs_baseline"]["sim_tau"], True)]
     cells += [_fmt_speedup(r["metrics"], m) for m in speed]
@@ -233,6 +238,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
                  f"{'/'.join(map(str, pairs)) or '–'} pair ratios, [p25, p75] of the pairs with one seed, "
                  "mean ± 95 % CI of the cells' medians with more.")
   for m, c in corr.items():
+    if m == primary and not decoded:
+      continue
     if c["num_sets"] < 3:
       notes.append(f"Spearman(selection objective, {m}): needs at least 3 distinct sets ({c['num_sets']} here).")
     else:
@@ -253,11 +260,13 @@ def _predictor_lines(summary: dict[str, Any]) -> list[str]:
   fmt = lambda c: "–" if not np.isfinite(c["rho"]) else f"{c['rho']:+.2f} (p = {c['p']:.2g})"  # noqa: E731
   rows = [("selection objective Σ Ê − λ Σ C", summary["spearman_objective"])] + list(preds.items())
   n = summary["spearman_objective"]["sim_tau"]["num_sets"]
+  decoded = any(r["metrics"][primary]["n"] for r in summary["rows"])  # else no τ column (sim τ alone)
   lines = ["", f"What predicts τ: Spearman ρ over the {n} distinct sets of k = "
            f"{summary['spearman_objective']['sim_tau']['k']} (p: two-sided, no correction for the "
-           f"{len(rows)} predictors tried).", "", f"| predictor | ρ vs held-out sim τ | ρ vs τ {primary} |",
-           "|---|---|---|"]
-  lines += [f"| {name} | {fmt(c['sim_tau'])} | {fmt(c[primary])} |" for name, c in rows]
+           f"{len(rows)} predictors tried).", "",
+           "| predictor | ρ vs held-out sim τ |" + (f" ρ vs τ {primary} |" if decoded else ""),
+           "|---|---|" + ("---|" if decoded else "")]
+  lines += [f"| {name} | {fmt(c['sim_tau'])} |" + (f" {fmt(c[primary])} |" if decoded else "") for name, c in rows]
   finite = [(abs(c["sim_tau"]["rho"]), name) for name, c in preds.items() if np.isfinite(c["sim_tau"]["rho"])]
   if finite:
     best = max(finite)[1]

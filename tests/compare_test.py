@@ -260,6 +260,15 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
   assert first_ids(compare.markdown_table(flipped)) != ",".join(map(str, best_sim))
   lines = [l for l in table.splitlines() if l.startswith("| ")][1:]
   assert lines[0].split("|")[1].strip().strip("*") == order[-1].name or tau[order[-1].key] == max(tau.values())
+  # Cells that decoded nothing (compare.num_prompts=0, held-out sim τ alone): no τ columns, the seeds counted
+  # from sim τ, and no Spearman against a τ that was not measured.
+  sim_only = compare.summarize(sets, {key: dict(r, eval={}) for key, r in results.items()}, [0, 1, 2],
+                               dataclasses.replace(cfg, num_prompts=0, sort_by="sim_tau"), {})
+  table = compare.markdown_table(dict(sim_only, sort_by="sim_tau"))
+  header, _, first = [l for l in table.splitlines() if l.startswith("| ")][:3]
+  assert header.split("|")[1:6] == [" set ", " layers ", " k ", " seeds ", " objective "]
+  assert "τ T0" not in header and "held-out sim τ" in header and first.split("|")[4].strip() == "3"
+  assert "Spearman(selection objective, sim_tau)" in table and "T0/all" not in table
   # A partial run: one seed missing for one set.
   del results[(order[0].key, 2)]
   partial = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
@@ -493,8 +502,8 @@ def test_finalists_decode_once_and_only_what_is_new(monkeypatch, tmp_path):
   settings = evaluate.DecodeSettings.from_config(_config().speculate, max_new_tokens=3, prompt_width=3)
 
   def run(c):
-    return compare.run_finalists(SimpleNamespace(tokenizer=None), sets, results, summary, c, settings, "template",
-                                 str(tmp_path))
+    return compare.run_finalists(SimpleNamespace(tokenizer=None), sets, results, summary, c, settings,
+                                 compare.finalist_prompts(c, None), str(tmp_path))
 
   out = run(cfg)
   assert [r["name"] for r in out["rows"]] == ["manual-0", "eagle3"] and len(log) == 4  # 2 drafts x 2 batches
@@ -653,6 +662,12 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with pytest.raises(ValueError, match="compare.datasets names 'gsm9k'"):
     _compare_in_process(tiny_chat_target_dir, fresh, caplog, compare__datasets=("mtbench", "gsm9k"),
                         compare__analysis=os.path.join(workdir, "analysis"))
+  assert not os.path.exists(os.path.join(fresh, "compare.json"))
+  # So do finalists with too few prompts short enough: refused before any cell trains, not after the sweep.
+  with pytest.raises(ValueError, match=r"finalist_prompts=80 prompts .* <= 8 tokens, but mtbench has only \d+ "
+                                       r"(.|\n)*raise compare.finalist_max_prompt_tokens"):
+    _compare_in_process(tiny_chat_target_dir, fresh, caplog, compare__finalists=1, compare__finalist_prompts=80,
+                        compare__finalist_max_prompt_tokens=8, compare__analysis=os.path.join(workdir, "analysis"))
   assert not os.path.exists(os.path.join(fresh, "compare.json"))
   # A cell trained with another recipe (here: its record edited) is refused, naming the cell.
   with open(cells[0]) as f:
