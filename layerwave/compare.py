@@ -387,13 +387,16 @@ def cell_recipe(recipe: Recipe, seed: int, budget: float = 1.0) -> Recipe:
 def dynamics_sets(sets: Sequence[LayerSet], cmp: CompareOptions) -> list[LayerSet]:
   """The sets trained again at `compare.budgets` (`compare.budget_sets`, default every set); the baseline must
   be among them, since their Δ is paired against it at each budget."""
-  if not cmp.budgets or tuple(cmp.budget_sets) == ("auto",):  # auto: chosen after the 1x cells (run)
+  if not cmp.budgets:
     return []
   by_name = {s.name: s for s in sets}
   names = cmp.budget_sets or tuple(by_name)
-  unknown = [n for n in names if n not in by_name]
+  unknown = [n for n in names if n not in by_name and n != "auto"]
   if unknown:
-    raise ValueError(f"compare.budget_sets names {unknown}, which are not among the sets {list(by_name)}.")
+    raise ValueError(f"compare.budget_sets names {unknown}, which are not among the sets {list(by_name)} "
+                     "(or 'auto').")
+  if "auto" in names:  # chosen once the 1x cells have finished (`auto_dynamics_sets`, in run)
+    return []
   if cmp.baseline not in names:
     raise ValueError(f"compare.budget_sets must include the baseline {cmp.baseline!r}: each budget's Δ is paired "
                      "against it.")
@@ -504,7 +507,8 @@ def _dynamics_cells(dynamics: Sequence[LayerSet], cmp: CompareOptions, seeds: Se
 
 def auto_dynamics_sets(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: CompareOptions) -> list[LayerSet]:
   """`compare.budget_sets=auto`: the baseline, the three distinct sets of highest and the two of lowest mean
-  held-out sim τ at budget 1x (the issue's dynamics), in that order."""
+  held-out sim τ at budget 1x (the issue's dynamics), in that order; then the sets `budget_sets` names beside
+  "auto" (e.g. `auto,exhaustive`: the paper's own choice, wherever it ranks), less those already chosen."""
   means = {r["name"]: r["metrics"]["sim_tau"]["mean"] for r in summary["rows"]}
   baseline = next(s for s in sets if s.name == cmp.baseline)
   distinct: dict[str, LayerSet] = {}
@@ -512,7 +516,12 @@ def auto_dynamics_sets(sets: Sequence[LayerSet], summary: dict[str, Any], cmp: C
     if s.key != baseline.key:
       distinct.setdefault(s.key, s)
   ranked = list(distinct.values())
-  return [baseline, *ranked[:3], *ranked[3:][-2:]]
+  chosen = [baseline, *ranked[:3], *ranked[3:][-2:]]
+  by_name = {s.name: s for s in sets}
+  for name in cmp.budget_sets:
+    if name != "auto" and by_name[name].key not in {s.key for s in chosen}:
+      chosen.append(by_name[name])
+  return chosen
 
 
 def _train_cells(cells, by_budget, started, offset, cmp, recipe, record, target, prompts, settings, workdir) -> None:
@@ -600,7 +609,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   by_budget: dict[float, dict[tuple[str, int], dict]] = {1.0: {}}
   started, done_here = time.perf_counter(), 0
   _train_cells(cells, by_budget, started, 0, cmp, recipe, record, target, prompts, settings, workdir)
-  if cmp.budgets and tuple(cmp.budget_sets) == ("auto",):
+  if cmp.budgets and "auto" in cmp.budget_sets:
     if len(by_budget[1.0]) == len(unique) * len(seeds):
       dynamics = auto_dynamics_sets(sets, summarize(sets, by_budget[1.0], seeds, cmp, prompts), cmp)
       logging.info("Dynamics (compare.budget_sets=auto): %s at budgets %s", ", ".join(d.name for d in dynamics),

@@ -322,6 +322,13 @@ def test_auto_dynamics_are_the_baseline_the_three_best_and_the_two_worst():
   others = sorted((s for s in distinct if s.key != base.key), key=lambda s: -sim[s.key])
   assert len(others) >= 5
   assert [s.key for s in got] == [base.key] + [s.key for s in others[:3]] + [s.key for s in others[-2:]]
+  # Named sets beside auto join the chosen ones (once, wherever they rank); unknown names fail up front.
+  middle = next(s for s in sets if s.key == others[3].key)  # ranked 4th: not among auto's own
+  named = dataclasses.replace(cfg, budget_sets=("auto", middle.name, "eagle3"))
+  assert compare.dynamics_sets(sets, named) == []
+  assert [s.key for s in compare.auto_dynamics_sets(sets, summary, named)] == [s.key for s in got] + [middle.key]
+  with pytest.raises(ValueError, match=r"budget_sets names \['bogus'\]"):
+    compare.dynamics_sets(sets, dataclasses.replace(cfg, budget_sets=("auto", "bogus")))
 
 
 def test_paired_bootstrap_resamples_prompts_as_a_plain_loop_does():
@@ -724,7 +731,9 @@ def test_the_paper_variant_runs_end_to_end_at_tiny_scale(tiny_chat_target_dir, t
   assert summary["finalists"]["temperatures"] == ["T0", "T1"]
   dynamics = summary["dynamics"]
   assert list(dynamics) == ["x0.25", "x1", "x4"] and dynamics["x4"]["num_steps"] == 16
-  assert dynamics["x1"]["rows"][0]["name"] == "eagle3" and len(dynamics["x1"]["rows"]) == 6
+  names = [r["name"] for r in dynamics["x1"]["rows"]]  # auto's six, and the paper's choice wherever it ranks
+  assert names[0] == "eagle3" and len(names) in (6, 7)
+  assert rows["exhaustive"]["ids"] in [r["ids"] for r in dynamics["x1"]["rows"]]
   assert all(r["sim_tau"]["n"] == 2 for b in dynamics.values() for r in b["rows"])
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
