@@ -227,10 +227,10 @@ knob-check: campaign-data
 # knob-check; `make paper-store`): its first EXTRA_SEQUENCES train conversations (a quarter) trained EXTRA_STEPS
 # steps (~16 conversations a step: ~5.5 epochs, as the campaign's draft ran 5.1), three ways, DTYPE_SEEDS seeds each, every run scored on the paper's float32 held-out split:
 # alone ("limited"); with the train split of EXTRA_RECORDS ShareGPT conversations beside it ("sharegpt", mixed
-# by count: ~3x as many as the distilled ones, so 4x the sequences in all); and on 4x as many distilled
+# by count: 1,500 records give 1,227 train conversations, ~3.8x the sequences in all); and on 4x as many distilled
 # conversations ("distilled4x", what more generation would buy at the same steps). Both paired against
 # "limited". The ShareGPT store holds every depth, as the paper's does (stores trained from together lay out
-# their layers alike): ~15 min and ~16 GB to extract, then ~7 min a run quiet. Runs resume; finished ones skip.
+# their layers alike): 15 min and 20 GB to extract (578k tokens), then ~7 min a run quiet. Runs resume; finished ones skip.
 EXTRA_SEQUENCES ?= 446
 EXTRA_STEPS ?= 150
 EXTRA_RECORDS ?= 1500
