@@ -410,14 +410,15 @@ def budget_key(budget: float) -> str:
 # -- evaluation --------------------------------------------------------------------------------------
 
 
-def eval_prompts(compare: CompareOptions, tokenizer, chat_format: str = "template") -> dict[str, list[list[int]]]:
+def eval_prompts(compare: CompareOptions, tokenizer, chat_format: str = "template",
+                 fields: tuple[str, str] = ("max_prompt_tokens", "num_prompts")) -> dict[str, list[list[int]]]:
   """Held-out prompts per dataset, in `data.chat_format`: the first `num_prompts` first turns of ≤
   max_prompt_tokens (none with `num_prompts` 0: the cells are scored by held-out sim τ alone)."""
   if not compare.num_prompts:
     return {}
   return {name: [ids for _, ids in evaluate_lib.chat_prompts(tokenizer, name, compare.num_prompts,
                                                               compare.max_prompt_tokens, section="compare",
-                                                              chat_format=chat_format)]
+                                                              chat_format=chat_format, fields=fields)]
           for name in compare.datasets}
 
 
@@ -425,16 +426,10 @@ def finalist_prompts(compare: CompareOptions, tokenizer, chat_format: str = "tem
   """The finalists' prompts: the first `finalist_prompts` of each dataset of ≤ `finalist_max_prompt_tokens`
   (0: `max_prompt_tokens`) tokens. `run` builds them before any cell trains, so a dataset with too few prompts
   that short is refused then, not after hours of cells."""
-  longest = compare.finalist_max_prompt_tokens or compare.max_prompt_tokens
-  try:
-    return eval_prompts(dataclasses.replace(compare, num_prompts=compare.finalist_prompts,
-                                            max_prompt_tokens=longest), tokenizer, chat_format)
-  except ValueError as e:
-    if "prompts of <=" not in str(e):
-      raise
-    raise ValueError(f"The finalists decode compare.finalist_prompts={compare.finalist_prompts} prompts of each "
-                     f"dataset of <= {longest} tokens, but {str(e).split(';')[0]}: raise "
-                     "compare.finalist_max_prompt_tokens (e.g. 512) or lower compare.finalist_prompts.") from e
+  return eval_prompts(dataclasses.replace(compare, num_prompts=compare.finalist_prompts,
+                                          max_prompt_tokens=compare.finalist_max_prompt_tokens
+                                          or compare.max_prompt_tokens),
+                      tokenizer, chat_format, fields=("finalist_max_prompt_tokens", "finalist_prompts"))
 
 
 def evaluate_draft(target, draft, prompts, settings: evaluate_lib.DecodeSettings, temperatures: Sequence[float],

@@ -71,7 +71,8 @@ def check_chat_format(tokenizer, chat_format: str) -> None:
 
 
 def chat_prompts(tokenizer, dataset: str, num_prompts: int = 0, max_prompt_tokens: int = 0, *,
-                 section: str = "speculate", chat_format: str = "template") -> list[tuple[str, list[int]]]:
+                 section: str = "speculate", chat_format: str = "template",
+                 fields: tuple[str, str] = ("max_prompt_tokens", "num_prompts")) -> list[tuple[str, list[int]]]:
   """(record id, token ids) of the first user turn of `dataset`'s prompts, as the draft's data was written.
 
   Args:
@@ -81,6 +82,7 @@ def chat_prompts(tokenizer, dataset: str, num_prompts: int = 0, max_prompt_token
     max_prompt_tokens: skip prompts longer than this (0 = keep all); then fewer than `num_prompts` left
       is an error.
     section: the config section the counts come from, named in errors.
+    fields: the names of its fields for `max_prompt_tokens` and `num_prompts`, named in errors.
     chat_format: `data.chat_format`: "template" (the tokenizer's chat template, generation prompt added) or
       "plain" ("User: ...\n\nAssistant:", for base models), as `chat.encode_prompt`.
 
@@ -104,7 +106,7 @@ def chat_prompts(tokenizer, dataset: str, num_prompts: int = 0, max_prompt_token
       break
   if num_prompts and len(out) < num_prompts:
     raise ValueError(f"{dataset} has only {len(out)} prompts of <= {max_prompt_tokens} tokens; raise "
-                     f"{section}.max_prompt_tokens or lower {section}.num_prompts.")
+                     f"{section}.{fields[0]} or lower {section}.{fields[1]}.")
   return out
 
 
