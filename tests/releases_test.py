@@ -27,7 +27,7 @@ def test_released_answers_rebuild_their_distilled_conversations(directory, tmp_p
   from layerwave.data import decontaminate, distill, sources  # pylint: disable=g-import-not-at-top
   from layerwave.data.options import DistillOptions  # pylint: disable=g-import-not-at-top
   manifest = release.verify(directory)
-  target = layerwave.load_target("smollm2-135m-instruct")
+  target = layerwave.load_target(manifest.get("model", release.DEFAULT_MODEL))  # the target the release names
   workdir = str(tmp_path / "rebuilt")
   release.unpack(directory, workdir, target=target)
   chunks = sorted(glob.glob(os.path.join(workdir, "chunks", "*.json")))

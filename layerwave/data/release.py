@@ -10,8 +10,11 @@ the token ids decoded by the target's tokenizer exactly as distillation decoded 
 distillation workdir: `experiments/distill.py` on it with the same settings builds the dataset, or goes on
 distilling the chunks the release does not hold yet.
 
-  python -m layerwave.data.release pack WORKDIR RELEASE_DIR      # after (or during) a distillation
+  python -m layerwave.data.release pack WORKDIR RELEASE_DIR [--model=NAME]  # after (or during) a distillation
   python -m layerwave.data.release unpack RELEASE_DIR WORKDIR    # then experiments/distill.py --workdir=WORKDIR
+
+The manifest names the target (`model`, as `--config.model` names it), so `unpack` loads the right one; a release
+packed before it named one is SmolLM2's.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from layerwave.inference import load_target
 __all__ = ["ReleaseError", "pack", "unpack", "verify", "MANIFEST"]
 
 MANIFEST = "manifest.json"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the target of releases whose manifest names none
 FORMAT = "layerwave-distilled-answers"
 FORMAT_VERSION = 1
 _ANSWERS = re.compile(r"answers-(\d{5})\.json\.gz$")
@@ -52,9 +56,12 @@ def sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extra: dict | None = None
-         ) -> dict[str, Any]:
+def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extra: dict | None = None,
+         model: str | None = None) -> dict[str, Any]:
   """Writes (or extends) the compact release of `workdir`'s finished chunks; returns its manifest.
+
+  `model` is the target as `--config.model` names it, recorded for `unpack` (default: the one the workdir's
+  manifest names once distillation has finished, else the release's earlier one).
 
   Only the leading run of consecutive chunks 0..n-1 is packed, so that a release always rebuilds a prefix of
   the prompt selection. Chunk files already in the release are kept (they are checked against the workdir).
@@ -80,6 +87,8 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
   if old is not None and old["settings_fingerprint"] != settings["fingerprint"]:
     raise ReleaseError(f"{release_dir} holds answers of another distillation (settings fingerprint "
                        f"{old['settings_fingerprint']} vs {settings['fingerprint']}); use a new release directory.")
+  # (Another target's answers are refused above: the settings' fingerprint holds the target's.)
+  model = model or _workdir_model(workdir) or (old or {}).get("model")
   records, stats_total = [], {}
   for chunk in prefix:
     compact = []
@@ -117,11 +126,21 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
       "content": content,
       "stats": stats_total,
       "commands": [_portable(c) for c in commands or (old or {}).get("commands", [])],
+      **({"model": _portable(model)} if model else {}),
       **(extra or {}),
       "sha256": {name: sha256(os.path.join(release_dir, name)) for name in files},
   }
   atomic.write_json(os.path.join(release_dir, MANIFEST), manifest)
   return manifest
+
+
+def _workdir_model(workdir: str) -> str | None:
+  """The target a finished distillation workdir's manifest names (None while it is still running)."""
+  path = os.path.join(workdir, MANIFEST)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f).get("target", {}).get("model")
 
 
 def _portable(command: str) -> str:
@@ -171,7 +190,7 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
     release_dir: the release (verified first).
     workdir: a new or matching distillation workdir.
     target: the target (its tokenizer decodes the answers, its fingerprint must be the release's); default
-      the release's model (`settings.model` is not recorded, so give it when it is not SmolLM2).
+      the model the manifest names, in the release's dtype.
     records: the prompt source's records (default: `sources.get_source(settings.source)`).
 
   Returns:
@@ -185,7 +204,9 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
   settings = distilled.read_settings(release_dir)
   values = settings["settings"]
   if target is None:
-    target = load_target(values.get("model", "smollm2-135m-instruct"), dtype=values.get("dtype", "float32"))
+    model = manifest.get("model", DEFAULT_MODEL)
+    target = load_target(os.path.expanduser(model) if model.startswith("~/") else model,
+                         dtype=values.get("dtype", "float32"))
   if distilled.target_fingerprint(target) != values["target_fingerprint"]:
     raise ReleaseError(f"{release_dir} was distilled by another target (fingerprint {values['target_fingerprint']}, "
                        f"this one {distilled.target_fingerprint(target)}); load the target the release names.")
@@ -228,13 +249,15 @@ def unpack(release_dir: str, workdir: str, target=None, records=None) -> dict[st
 
 def main(argv: list[str]) -> None:
   made_by = [a.split("=", 1)[1] for a in argv[4:] if a.startswith("--made-by=")]
-  if (len(argv) - len(made_by) != 4 or argv[1] not in ("pack", "unpack", "verify")
-      or (made_by and argv[1] != "pack")):
-    raise SystemExit("usage: python -m layerwave.data.release pack WORKDIR RELEASE_DIR [--made-by=COMMAND ...] | "
-                     "unpack RELEASE_DIR WORKDIR | verify RELEASE_DIR -")
+  models = [a.split("=", 1)[1] for a in argv[4:] if a.startswith("--model=")]
+  if (len(argv) - len(made_by) - len(models) != 4 or argv[1] not in ("pack", "unpack", "verify")
+      or ((made_by or models) and argv[1] != "pack") or len(models) > 1):
+    raise SystemExit("usage: python -m layerwave.data.release pack WORKDIR RELEASE_DIR [--made-by=COMMAND ...] "
+                     "[--model=NAME] | unpack RELEASE_DIR WORKDIR | verify RELEASE_DIR -")
   if argv[1] == "pack":
     # The manifest's commands: what made the answers (--made-by, e.g. `make campaign-distill`), then this pack.
-    m = pack(argv[2], argv[3], commands=made_by + [" ".join(["python -m layerwave.data.release"] + argv[1:4])])
+    m = pack(argv[2], argv[3], commands=made_by + [" ".join(["python -m layerwave.data.release"] + argv[1:4])],
+             model=models[0] if models else None)
   elif argv[1] == "unpack":
     m = unpack(argv[2], argv[3])
   else:

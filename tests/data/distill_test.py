@@ -617,6 +617,19 @@ def test_a_release_of_the_answers_rebuilds_the_dataset_exactly(target, records, 
   with pytest.raises(SystemExit, match="usage"):
     release.main(["release", "unpack", out, workdir, "--made-by=x"])
 
+  with pytest.raises(SystemExit, match="usage"):
+    release.main(["release", "unpack", out, workdir, "--model=gemma3-270m"])
+
+  # The manifest names the target (the finished workdir's, or --model's), and unpack loads it when given none.
+  assert packed["model"] == manifest["target"]["model"] == target.path
+  named = str(tmp_path / "named")
+  release.main(["release", "pack", workdir, named, f"--model={target.path}"])
+  with open(os.path.join(named, "manifest.json")) as f:
+    assert os.path.expanduser(json.load(f)["model"]) == target.path  # as ~/... where it is under HOME
+  release.unpack(named, str(tmp_path / "by-name"), records=records)
+  assert ([c["records"] for c in distilled_lib.finished_chunks(str(tmp_path / "by-name"))]
+          == [c["records"] for c in distilled_lib.finished_chunks(workdir)])
+
   rebuilt = str(tmp_path / "rebuilt")
   release.unpack(out, rebuilt, target=target, records=records)
   monkeypatch.setattr(answering, "answer_chunk", lambda *a, **k: pytest.fail("a released chunk was distilled again"))
