@@ -297,16 +297,20 @@ paper-pack: setup
 	    "--made-by=make paper-compare (python $(PAPER_COMPARE))"
 
 # The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
-# 1,600 prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random set.
+# GEMMA_PROMPTS prompts, the analysis on them, a store of every depth, eagle3 [2, 9, 15] vs exhaustive vs one random
+# set. 800: a 40-step cell reads ~640 conversations (~16 a step), so ~720 train conversations hold a cell's budget
+# in under one epoch, as SmolLM2's do, with ~80 held out. Generation is most of the cost (estimated ~30 tokens/s, half
+# the campaign's 57: ~1.5 h for 800 answers).
 # What costs CPU-hours is kept in releases/ as in the SmolLM2 sweep: the answers (GEMMA_ANSWERS_RELEASE, packed when
 # distillation finishes; `make paper-gemma-pack` packs the chunks finished so far) and the sweep (GEMMA_RELEASE:
 # the analysis it chose from and every finished cell); each is restored first, so a new machine goes on from them.
 GEMMA_PAPER ?= $(RUNS)/paper-gemma
+GEMMA_PROMPTS ?= 800
 GEMMA_ANSWERS_RELEASE ?= releases/gemma3-270m-paper-distilled
 GEMMA_RELEASE ?= releases/gemma3-270m-paper-sweep
 GEMMA_RECIPE := --config=configs/gemma3_270m.py:paper --config.data.source=distilled:$(GEMMA_PAPER)/distilled
 GEMMA_DISTILL := experiments/distill.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/distilled \
-	--config.distill.num_prompts=1600
+	--config.distill.num_prompts=$(GEMMA_PROMPTS)
 GEMMA_COMPARE := experiments/compare_layers.py $(GEMMA_RECIPE) --config.compare.analysis=$(GEMMA_PAPER)/analysis \
 	--config.train.features=$(GEMMA_PAPER)/features --config.train.eval_features=$(GEMMA_PAPER)/heldout32 \
 	--workdir=$(GEMMA_PAPER)/compare
