@@ -70,8 +70,11 @@ def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path):
              "spearman_objective": {"sim_tau": {"rho": 1.0, "p": 0.0, "num_sets": 3}}}
   open_before = plt.get_fignums()
   alone = matplotlib.image.imread(plots.plot_sim_tau(str(tmp_path / "alone.png"), summary))
-  dyn_rows = lambda d: [{"name": "eagle3", "ids": [2, 15, 27], "sim_tau": {"mean": 1.5 + d, "ci95": 0.01}},  # noqa: E731
-                        {"name": "exhaustive", "ids": [3, 12, 20], "sim_tau": {"mean": 1.52 + d, "ci95": float("nan")}}]
+  def dyn_rows(d):  # the dynamics panel draws each set's Δ against the baseline, paired by seed
+    return [{"name": "eagle3", "ids": [2, 15, 27], "sim_tau": {"mean": 1.5 + d, "ci95": 0.01},
+             "vs_baseline": {"mean": 0.0, "ci95": 0.0}},
+            {"name": "exhaustive", "ids": [3, 12, 20], "sim_tau": {"mean": 1.52 + d, "ci95": float("nan")},
+             "vs_baseline": {"mean": 0.02 + d / 10, "ci95": float("nan")}}]
   summary["dynamics"] = {"x0.25": {"budget": 0.25, "num_steps": 100, "rows": dyn_rows(-0.2)},
                          "x1": {"budget": 1.0, "num_steps": 400, "rows": dyn_rows(0.0)},
                          "x4": {"budget": 4.0, "num_steps": 1600, "rows": dyn_rows(0.3)}}
