@@ -2,6 +2,7 @@
 
 import os
 
+import matplotlib.axes
 import matplotlib.image
 import matplotlib.pyplot as plt
 import numpy as np
@@ -61,7 +62,7 @@ def test_comparison_figure(tmp_path):
   assert _is_png(plots.plot_comparison(str(tmp_path / "compare.png"), summary))
 
 
-def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path):
+def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path, monkeypatch):
   def row(name, ids, sim, objective):
     return {"name": name, "ids": ids, "objective": objective, "metrics": {"sim_tau": {"mean": sim, "ci95": 0.02}}}
   rows = [row("eagle3", [2, 15, 27], 1.60, 0.5), row("exhaustive", [3, 12, 20], 1.65, 0.9),
@@ -78,7 +79,18 @@ def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path):
   summary["dynamics"] = {"x0.25": {"budget": 0.25, "num_steps": 100, "rows": dyn_rows(-0.2)},
                          "x1": {"budget": 1.0, "num_steps": 400, "rows": dyn_rows(0.0)},
                          "x4": {"budget": 4.0, "num_steps": 1600, "rows": dyn_rows(0.3)}}
+  drawn, errorbar = [], matplotlib.axes.Axes.errorbar
+
+  def spy(ax, x, y, *args, **kwargs):
+    drawn.append((kwargs.get("label"), np.asarray(x, np.float64), np.asarray(y, np.float64)))
+    return errorbar(ax, x, y, *args, **kwargs)
+
+  monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", spy)
   both = matplotlib.image.imread(plots.plot_sim_tau(str(tmp_path / "both.png"), summary))
+  # The dynamics panel: the non-baseline set's paired Δ in budget order (not its absolute τ), one point a budget.
+  (_, x, y), = [d for d in drawn if d[0] == "exhaustive"]
+  np.testing.assert_allclose(y, [0.0, 0.02, 0.05])
+  np.testing.assert_allclose(x / [100, 400, 1600], x[0] / 100)  # at the budgets' steps (shifted alike)
   red = lambda im: np.sum((im[..., 0] > 0.75) & (im[..., 1] < 0.3) & (im[..., 2] < 0.3))  # noqa: E731
   assert red(alone) > 30 and both.shape[1] > alone.shape[1] and red(both) > red(alone)
   assert plt.get_fignums() == open_before
