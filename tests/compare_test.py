@@ -275,6 +275,31 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
   assert {r["name"]: r for r in partial["rows"]}[order[0].name]["metrics"]["T0/all"]["n"] == 2
 
 
+@pytest.mark.parametrize("n", [3, 4, 7, 9, 10, 13])
+def test_spearman_p_is_exact_for_few_sets_and_scipys_above(n):
+  rng = np.random.default_rng(n)
+  x = rng.permutation(n).astype(float)
+  for y in (x + 0.1, -x, x + rng.normal(0, n / 2, n), np.round(rng.normal(0, 1, n), 0)):  # ρ = +1, −1, some, ties
+    got = compare_table._spearman(list(zip(x, y)), 3)
+    want = scipy_stats.spearmanr(x, y)
+    assert got["rho"] == pytest.approx(want.statistic) and got["num_sets"] == n
+    if n <= compare_table.EXACT_SPEARMAN_MAX:
+      ry = scipy_stats.rankdata(y) - scipy_stats.rankdata(y).mean()
+
+      def rho(a, axis=-1):  # Spearman's ρ of each row of a against y: the Pearson correlation of their ranks
+        ra = scipy_stats.rankdata(a, axis=axis)
+        ra = ra - ra.mean(axis=axis, keepdims=True)
+        return (ra @ ry) / np.sqrt((ra * ra).sum(axis=axis) * (ry @ ry))
+
+      exact = scipy_stats.permutation_test((x,), rho, permutation_type="pairings", vectorized=True,
+                                           n_resamples=400_000)
+      assert got["p"] == pytest.approx(exact.pvalue, abs=1e-9)
+    else:
+      assert got["p"] == pytest.approx(want.pvalue)
+  # The case that made the t approximation useless: three sets in perfect order are 2 of 6 orderings.
+  assert compare_table._spearman([(1, 1), (2, 2), (3, 3)], 3)["p"] == pytest.approx(1 / 3)
+
+
 def test_predictors_by_hand_and_their_spearman():
   record = _record()
   e = np.asarray(record.filtered.prompt_entropy, np.float64)
@@ -299,7 +324,11 @@ def test_predictors_by_hand_and_their_spearman():
   sim = [results[(s.key, 0)]["train"]["heldout_sim_tau"] for s in distinct]
   want = scipy_stats.spearmanr([max(s.ids) for s in distinct], sim)
   assert preds["deepest layer"]["sim_tau"]["rho"] == pytest.approx(want.statistic) and want.statistic > 0.9
-  assert preds["deepest layer"]["sim_tau"]["p"] == pytest.approx(want.pvalue)
+  # 6 sets: the exact p (every pairing), which scipy's permutation test enumerates independently.
+  exact = scipy_stats.permutation_test(([max(s.ids) for s in distinct],),
+                                       lambda x: scipy_stats.spearmanr(x, sim).statistic,
+                                       permutation_type="pairings", n_resamples=10_000)
+  assert preds["deepest layer"]["sim_tau"]["p"] == pytest.approx(exact.pvalue)
   assert preds["distance to the last layer"]["sim_tau"]["rho"] == pytest.approx(-want.statistic)
   assert preds["deepest layer"]["sim_tau"]["num_sets"] == len(distinct) == 6
   assert np.isnan(preds["deepest layer"]["T0/all"]["rho"])  # τ constant across sets: undefined, not an error
