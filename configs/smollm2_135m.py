@@ -83,6 +83,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.analysis = ml_collections.ConfigDict()
   c.analysis.split = "train"
   c.analysis.batch_size = 8  # sequences per batch (divisible by the mesh's 'data' axis)
+  # Length buckets (data.BatchIterator's widths): batches of batch_size x max_length token slots as [slots / w, w],
+  # so short sequences are not padded to max_length; one compilation per width. () = fixed batches (ShareGPT at
+  # 256 tokens fills 97% of them); distilled answers fill ~43% (BENCHMARKS.md, "Analysis in length buckets").
+  c.analysis.bucket_widths = ()
   c.analysis.num_batches = 0  # 0 = until max_tokens (or the split) is used up
   c.analysis.max_tokens = 200_000  # eligible (assistant) tokens read: ~100k kept at q=50 (two-half stability)
   c.analysis.seed = 0  # batch order, HSIC minibatch shuffle, exact-CKA subsample, `random` strategy
@@ -349,6 +353,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.max_length = 512
     c.data.max_records = 2000
     c.data.heldout_fraction = 0.1
+    c.analysis.bucket_widths = (64, 128, 256)  # the answers fill 43% of 512-token slots; 71% in these buckets
     c.draft_model.vocab_size = 4096
     c.train.num_steps = 40
     c.train.lr = 3e-3

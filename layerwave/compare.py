@@ -338,6 +338,9 @@ def fingerprint_settings(config) -> dict[str, Any]:
     out["analysis"] = {**collect_options, **dataclasses.asdict(report_lib.selection_options_from_config(a)),
                        "split": options_lib.convert(a.split, str, "analysis.split"),
                        "batch_size": options_lib.convert(a.batch_size, int, "analysis.batch_size")}
+    widths = options_lib.convert(a.get("bucket_widths", ()), tuple[int, ...], "analysis.bucket_widths")
+    if widths:  # how sequences are grouped moves the HSIC minibatches (absent when off: older workdirs match)
+      out["analysis"]["bucket_widths"] = widths
   return out
 
 

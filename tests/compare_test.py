@@ -427,6 +427,10 @@ def test_workdir_of_a_different_config_is_refused(tmp_path):
   other.train.lr = 0.5
   with pytest.raises(ValueError, match=r"different config .*train\.lr"):
     compare.check_workdir(str(tmp_path), other)
+  buckets = _config()  # the analysis the sweep runs, in length buckets: other HSIC minibatches
+  buckets.analysis.bucket_widths = (64,)
+  with pytest.raises(ValueError, match=r"different config .*analysis\.bucket_widths"):
+    compare.check_workdir(str(tmp_path), buckets)
   # An older comparison: finished cells but no compare.json to check them against.
   old = tmp_path / "old-sweep"
   (old / "cells" / "L2-15-27" / "seed0").mkdir(parents=True)

@@ -50,6 +50,12 @@ def run(config, workdir: str) -> dict:
   data_options = options_lib.from_section(DataOptions, config.data, "data")
   split = options_lib.convert(a.split, str, "analysis.split")
   batch_size = options_lib.convert(a.batch_size, int, "analysis.batch_size")
+  widths = options_lib.convert(a.get("bucket_widths", ()), tuple[int, ...], "analysis.bucket_widths")
+  if any(w <= 0 for w in widths):
+    raise ValueError(f"analysis.bucket_widths={widths} must be positive; e.g. "
+                     "--config.analysis.bucket_widths=64,128,256 (max_length is always added), or () for "
+                     "fixed-shape batches.")
+  widths = tuple(w for w in widths if w < data_options.max_length)  # wider ones hold nothing max_length does not
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.check_processes_agree(config, "The analysis")
   mesh = sharding.make_mesh(config.mesh)
@@ -63,10 +69,26 @@ def run(config, workdir: str) -> dict:
   process_index, process_count = sharding.data_position(mesh)
   batches = data_lib.BatchIterator(ds.source(split), batch_size=batch_size, seq_len=data_options.max_length,
                                    pad_id=pad_id, seed=collect_options.seed, num_epochs=1,
-                                   process_index=process_index, process_count=process_count)
-  logging.info("Analysis of %s on %s[%s] (%d examples), batches of %d x %d.", config.model, ds.name, split,
-               ds.num_examples.get(split, 0), batch_size, data_options.max_length)
+                                   process_index=process_index, process_count=process_count, widths=widths)
+  for width in batches.widths:  # before the target runs: a bucket whose rows the mesh cannot split
+    try:
+      sharding.check_batch(mesh, batches.rows(width))
+    except ValueError as e:
+      raise ValueError(f"analysis.bucket_widths={widths}: the batches of width {width} hold "
+                       f"{batches.rows(width)} rows (batch_size x max_length / {width}), which the mesh cannot "
+                       f"split ({e}). Use widths that divide batch_size x max_length = "
+                       f"{batch_size * data_options.max_length} into multiples of the 'data' axis (powers of two "
+                       "do), or () for fixed-shape batches.") from None
+  logging.info("Analysis of %s on %s[%s] (%d examples), batches of %s.", config.model, ds.name, split,
+               ds.num_examples.get(split, 0), f"{batch_size} x {data_options.max_length}" if not batches.widths
+               else ", ".join(f"{batches.rows(w)} x {w}" for w in batches.widths)
+               + f" ({batches.epoch_fill():.0%} of an epoch's token slots real)")
   result = collect.collect_stats(target, batches, collect_options, mesh)
+  fill = result.counts["positions"] / result.counts["padded_positions"]
+  if not batches.widths and fill < 0.6:
+    logging.warning("Only %.0f%% of the batches' token slots held real tokens: --config.analysis.bucket_widths="
+                    "64,128,256 reads the same sequences in length buckets, with less padding (a compilation a "
+                    "width).", 100 * fill)
 
   cfg = target.config
   model = {"name": config.model, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,

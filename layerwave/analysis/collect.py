@@ -1,17 +1,18 @@
 """Streaming collection: batches → target forward → token filter → layer statistics, all on device.
 
-Place in the pipeline: fixed-shape token batches (`layerwave.data.BatchIterator`) → `collect_stats` → a
-`CollectResult` (finalised `LayerStats` with and without the token filter, counts, the filter threshold) →
+Place in the pipeline: token batches of one or a few shapes (`layerwave.data.BatchIterator`) → `collect_stats`
+→ a `CollectResult` (finalised `LayerStats` with and without the token filter, counts, the filter threshold) →
 `layerwave.selection` and `layerwave.analysis.report`.
 
 One jitted `stats_step` per batch fuses the target forward (hidden states [L+1, B, T, D]), the token entropy
 (docs/METHOD.md §2; from the final states a chunk of positions at a time, so the [B, T, V] logits are never
-held at once: `token_filter.entropy_from_hidden`), the filter and `stats.update` of two accumulators: *filtered* (eligible tokens
-whose predictive entropy passes the cut) and *unfiltered* (the control without the filter: by default a random,
-same-size subset of each sequence's eligible tokens, see `CollectOptions.unfiltered`). Eligible = real (attention
-mask) and, with `assistant_only`, inside an assistant turn; a position's own mask decides (the hidden state at
-t and its next-token entropy H_t go together). Hidden states never leave the device; the accumulators are
-fixed-size sums (`layerwave.analysis.stats`), so memory does not grow with the number of tokens.
+held at once: `token_filter.entropy_from_hidden`), the filter and `stats.update` of two accumulators:
+*filtered* (eligible tokens whose predictive entropy passes the cut) and *unfiltered* (the control without the
+filter: by default a random, same-size subset of each sequence's eligible tokens, see
+`CollectOptions.unfiltered`). Eligible = real (attention mask) and, with `assistant_only`, inside an assistant
+turn; a position's own mask decides (the hidden state at t and its next-token entropy H_t go together).
+Hidden states never leave the device; the accumulators are fixed-size sums (`layerwave.analysis.stats`), so
+memory does not grow with the number of tokens.
 
 The percentile cut needs a threshold before accumulating: a calibration pass runs the forward alone over the
 first `calibration_batches` batches, and `token_filter.percentile_threshold` turns their eligible tokens'
@@ -21,6 +22,13 @@ batches are processed again). The kept fraction over the whole stream is reporte
 Data parallelism: the batch is sharded over the mesh's 'data' axis and the accumulators are replicated
 (`out_shardings`); XLA's partitioner inserts the cross-device reductions of every sum, so any number of devices
 computes the same statistics as one (minibatches for HSIC are cut from the global batch, not per device).
+
+Length buckets: the batches may come in a few shapes (`BatchIterator`'s `widths`, `analysis.bucket_widths`):
+[B·T/w, w] for a few widths w, so short sequences are not padded to T. Every statistic is a sum over
+sequences or over kept tokens, so it does not depend on how sequences are grouped into batches, except the
+HSIC minibatches (cut from each batch's kept tokens: another partition, the same expectation), the exact-CKA
+subsample, the matched control's random draws and which sequences the calibration batches hold. The step
+compiles once per shape (at most `MAX_SHAPES`).
 
 Stability: with `halves=True`, even and odd batches feed two separate accumulator sets (the same total work);
 the full-data statistics are their `stats.merge`, and the halves are returned for the agreement report.
@@ -58,6 +66,7 @@ _FILTER_MODES = ("percentile", "threshold")
 _UNFILTERED = ("matched", "all", "none")
 _NORMALIZE = {"skean": True, "none": False}
 HISTOGRAM_BINS = 60
+MAX_SHAPES = 8  # distinct batch shapes a stream may have: each compiles the step again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +154,11 @@ class CollectResult:
     unfiltered: statistics without the filter (`CollectOptions.unfiltered`), or None.
     halves: {"filtered": (even, odd), "unfiltered": (even, odd)} statistics of the even / odd batches, or None.
     threshold: the entropy cut in nats that was applied.
-    counts: positions (real tokens), eligible, kept, batches, sequences, padded positions.
+    counts: positions (real tokens), eligible, kept, batches, padded positions (token slots, the batches' B x T
+      summed), batch_size and seq_len (of the widest batch) and `shapes`: [[B, T, batches], ...] by width.
     token_entropy: mean H over eligible / kept tokens, histogram of H over eligible and kept tokens
       (`HISTOGRAM_BINS` bins over [0, log V]) and its bin edges.
-    seconds: wall time of the statistics pass (after compilation of its first batch).
+    seconds: wall time of the statistics pass, less the first batch of each shape (its compilation).
     options: the settings used.
   """
 
@@ -219,8 +229,8 @@ def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, 
                              compute_logits=False)
   model = nnx.merge(graphdef, params)
   entropy = token_filter.entropy_from_hidden(out.last_hidden, model.logits, options.temperature)
-  return update_from_entropy(state, out.hidden_states, entropy, model.config.vocab_size, attention_mask, assistant_mask, threshold,
-                             index, options=options)
+  return update_from_entropy(state, out.hidden_states, entropy, model.config.vocab_size, attention_mask,
+                             assistant_mask, threshold, index, options=options)
 
 
 def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, threshold, index, *,
@@ -319,7 +329,8 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
   Args:
     target: a `layerwave.Target` (graphdef, params, config).
     batches: iterable of `layerwave.data.Batch` (or anything with input_ids, attention_mask,
-      assistant_mask [B, T]); every batch has the same shape, B divisible by the mesh's 'data' axis.
+      assistant_mask [B, T]): fixed-shape batches, or up to `MAX_SHAPES` shapes (length buckets); B divisible
+      by the mesh's 'data' axis.
     options: settings (default `CollectOptions()`).
     mesh: the device mesh (default `target.mesh`).
 
@@ -327,7 +338,7 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
     CollectResult.
 
   Raises:
-    ValueError: no batch, no eligible token, or the filter kept no token.
+    ValueError: no batch, more than `MAX_SHAPES` batch shapes, no eligible token, or the filter kept no token.
     FloatingPointError: NaN/inf in a hidden state (names the layers) or in the logits.
   """
   options = options or CollectOptions()
@@ -350,18 +361,29 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
   states = [init_state(target, options, mesh) for _ in range(num_halves)]
   threshold_arr = np.float32(threshold)
   seen_eligible = num_batches = 0
-  shape = None
+  shapes: dict[tuple[int, int], int] = {}  # global [B, T] -> batches
   start = last_time = None
+  compile_seconds = 0.0  # the first batch of every later shape: its compilation is not throughput
   last_positions = 0
   for index, batch in enumerate(stream):
     arrays = _put_batch(batch, mesh)
-    if shape is None:
-      shape = arrays[0].shape
-    elif arrays[0].shape != shape:
-      raise ValueError(f"batch {index} has shape {arrays[0].shape}, the stream started with {shape}: "
-                       "use fixed-shape batches (BatchIterator with drop_remainder, or one seq_len)")
+    shape = tuple(arrays[0].shape)
+    new_shape = shape not in shapes
+    if new_shape and len(shapes) == MAX_SHAPES:
+      raise ValueError(f"batch {index} has shape {shape}, a new one after {sorted(shapes)}: every shape compiles "
+                       f"the step again, and a stream may have at most {MAX_SHAPES}. Use fixed-shape batches "
+                       "(BatchIterator with one seq_len) or a few length buckets (analysis.bucket_widths).")
+    shapes[shape] = shapes.get(shape, 0) + 1
     half = index % num_halves
+    if new_shape and start is not None:
+      jax.block_until_ready(states)
+      compile_start = time.perf_counter()
     states[half] = step(target.params, states[half], *arrays, threshold_arr, np.int32(index))
+    if new_shape and start is not None:
+      jax.block_until_ready(states[half])
+      compile_seconds += time.perf_counter() - compile_start
+      last_time += time.perf_counter() - compile_start  # nor in the logged rate
+      logging.info("batch %d: compiled the step for a new shape %s.", index + 1, shape)
     num_batches += 1
     seen_eligible += sharding.process_sum(_host_eligible(batch, options.assistant_only))  # global: all stop together
     if index == 0:
@@ -379,8 +401,8 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
   if num_batches == 0:
     raise ValueError("collect_stats got no batch: the data source is empty (check the dataset split)")
   jax.block_until_ready(states)
-  seconds = time.perf_counter() - start if num_batches > 1 else float("nan")
-  return _finish(states, threshold, options, num_batches, shape, seconds, target.config.vocab_size)
+  seconds = time.perf_counter() - start - compile_seconds if num_batches > len(shapes) else float("nan")
+  return _finish(states, threshold, options, num_batches, shapes, seconds, target.config.vocab_size)
 
 
 def _counts(states: list[dict]) -> dict:
@@ -388,7 +410,7 @@ def _counts(states: list[dict]) -> dict:
   return {k: (int(v) if np.ndim(v) == 0 else v) for k, v in tokens.items()}
 
 
-def _finish(states, threshold, options, num_batches, shape, seconds, vocab_size) -> CollectResult:
+def _finish(states, threshold, options, num_batches, shapes, seconds, vocab_size) -> CollectResult:
   tok = _counts(states)
   entropy_lib.check_finite(tok["nonfinite_hidden"])  # names the layers
   if tok["nonfinite_logits"]:
@@ -409,8 +431,10 @@ def _finish(states, threshold, options, num_batches, shape, seconds, vocab_size)
   if len(states) == 2:
     halves = {k: tuple(stats_lib.finalize(s[k]) if int(s[k].num_tokens) else None for s in states)
               for k in kinds}
-  b, t = shape
-  counts = {"batches": num_batches, "batch_size": b, "seq_len": t, "padded_positions": num_batches * b * t,
+  b, t = max(shapes, key=lambda shape: shape[1])
+  counts = {"batches": num_batches, "batch_size": b, "seq_len": t,
+            "padded_positions": sum(rows * width * n for (rows, width), n in shapes.items()),
+            "shapes": [[rows, width, n] for (rows, width), n in sorted(shapes.items(), key=lambda x: x[0][1])],
             "positions": tok["positions"], "eligible": tok["eligible"], "kept": tok["kept"],
             "kept_fraction": tok["kept"] / tok["eligible"]}
   entropy = {

@@ -382,6 +382,15 @@ def read_selection(path: str | os.PathLike, strategy: str, num_layers: int | Non
   return selections[strategy]
 
 
+def _batch_shapes(counts: dict) -> str:
+  """"8×512; 43% of the slots real", or with length buckets "64×64 (12), 8×512 (3); 81% of the slots real"."""
+  shapes = counts.get("shapes") or [[counts["batch_size"], counts["seq_len"], counts["batches"]]]
+  fill = f"; {counts['positions'] / max(counts['padded_positions'], 1):.0%} of the slots real"
+  if len(shapes) == 1:
+    return f"{shapes[0][0]}×{shapes[0][1]}" + fill
+  return ", ".join(f"{b}×{t} ({n})" for b, t, n in shapes) + fill
+
+
 def summary_table(record: dict, selections: dict[str, layer_ids.LayerSelection]) -> str:
   """Markdown table of the wave: per layer, entropy with / without the filter, compartment, strategies.
 
@@ -411,7 +420,7 @@ def summary_table(record: dict, selections: dict[str, layer_ids.LayerSelection])
   lines = ["\n".join(rows), "",
            f"tokens: {c['positions']} real, {c['eligible']} eligible, {c['kept']} kept "
            f"({c['kept_fraction']:.1%}); threshold {record['filter']['threshold_nats']:.3f} nats; "
-           f"{c['batches']} batches of {c['batch_size']}×{c['seq_len']}",
+           f"{c['batches']} batches of " + _batch_shapes(c),
            "compartments: " + ", ".join(f"[{s}, {e})" for s, e in record["compartments"]["blocks"])]
   for name, sel in selections.items():
     lines.append(f"{name:12s} {list(sel.ids)}  objective {sel.scores.get('objective', float('nan')):.3f}")

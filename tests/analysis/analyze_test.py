@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from layerwave import layer_ids
 from layerwave.analysis import analyze
@@ -41,3 +42,25 @@ def test_run_writes_stats_selections_and_plots(tiny_chat_target_dir, tmp_path):
     with open(os.path.join(workdir, "plots", name + ".png"), "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert sorted(os.listdir(workdir)) == ["layer_stats.json", "plots", "selection.json"]
+
+
+def test_run_in_length_buckets(tiny_chat_target_dir, tmp_path):
+  # ShareGPT first turns at 512 tokens: a few end by 256, so `analysis.bucket_widths` reads them in [2, 256]
+  # batches beside the [1, 512] ones: the whole split, two shapes, the same sequences with less padding.
+  config = configs.load("smoke")
+  config.model = tiny_chat_target_dir
+  config.data.max_length = 512
+  config.data.max_records = 30
+  config.analysis.batch_size = 1
+  config.analysis.num_batches = 0
+  config.analysis.bucket_widths = (256, 1024)  # wider than max_length: dropped
+  config.analysis.strategies = ("eagle3", "greedy")
+  out = analyze.run(config, str(tmp_path / "w"))
+  counts = out["layer_stats"]["counts"]
+  assert [shape[:2] for shape in counts["shapes"]] == [[2, 256], [1, 512]]
+  assert counts["batches"] == sum(n for _, _, n in counts["shapes"])
+  assert counts["padded_positions"] == 512 * counts["batches"] > counts["positions"]
+  assert "2×256 (" in out["summary"] and "of the slots real" in out["summary"]
+  config.analysis.bucket_widths = (0, 256)
+  with pytest.raises(ValueError, match=r"analysis.bucket_widths=\(0, 256\) must be positive"):
+    analyze.run(config, str(tmp_path / "bad"))

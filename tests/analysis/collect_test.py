@@ -37,22 +37,27 @@ class FakeBatch:
   assistant_mask: np.ndarray
 
 
-def _batches(n, seed=0):
+def _batches(n, seed=0, shapes=((B, T),)):
+  """n batches of random tokens, cycling through `shapes` ([rows, width]: length buckets of B * T slots)."""
   rng = np.random.default_rng(seed)
   out = []
-  for _ in range(n):
-    lengths = rng.integers(T // 2, T + 1, size=B)
-    attention = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
-    assistant = attention * (np.arange(T)[None] >= rng.integers(0, 4, size=(B, 1))).astype(np.int32)
-    ids = rng.integers(3, 97, size=(B, T)).astype(np.int32) * attention
+  for i in range(n):
+    rows, width = shapes[i % len(shapes)]
+    lengths = rng.integers(width // 2, width + 1, size=rows)
+    attention = (np.arange(width)[None] < lengths[:, None]).astype(np.int32)
+    assistant = attention * (np.arange(width)[None] >= rng.integers(0, 4, size=(rows, 1))).astype(np.int32)
+    ids = rng.integers(3, 97, size=(rows, width)).astype(np.int32) * attention
     out.append(FakeBatch(ids, attention, assistant))
   return out
 
 
 def _ref_entropy(z):
   z = z - z.mean(0)
-  z = z / np.linalg.norm(z, axis=1, keepdims=True)
+  norm = np.linalg.norm(z, axis=1, keepdims=True)
+  z = z / np.where(norm > 0, norm, 1.0)  # a zero row (tokens equal at this depth) stays zero
   k = z @ z.T if z.shape[0] <= z.shape[1] else z.T @ z
+  if np.trace(k) == 0:  # every kept token the same: no spread, entropy 0
+    return 0.0
   lam = np.clip(np.linalg.eigvalsh(k / np.trace(k)), 0, None)
   p = lam[lam > 1e-10]
   return float(-(p * np.log(p)).sum())
@@ -86,7 +91,7 @@ def _reference(target, batches, threshold):
     keep = eligible & (ent >= threshold)
     kept += keep.sum()
     eligible_total += eligible.sum()
-    for b in range(B):
+    for b in range(keep.shape[0]):
       z = hidden[:, b][:, keep[b]]  # [L1, n, D]
       if z.shape[1] >= 2:
         prompt.append(([_ref_entropy(zl) for zl in z], z.shape[1]))
@@ -169,6 +174,28 @@ def test_collection_matches_float64_reference(tiny, monkeypatch):
   assert hist.sum() == ref["kept"] and len(result.token_entropy["histogram_edges"]) == hist.size + 1
 
 
+def test_length_buckets_match_float64_reference_with_one_trace_per_shape(tiny, monkeypatch):
+  # Batches of two shapes with the same B * T slots, as BatchIterator's length buckets cut them: every statistic
+  # is still the float64 one of the same sequences (each batch's kept tokens are one HSIC minibatch here).
+  _, target = tiny
+  batches = _batches(4, seed=3, shapes=((2 * B, T // 2), (B, T)))
+  threshold = _threshold_in_a_gap(target, batches)
+  chex.clear_trace_counter()
+  monkeypatch.setattr(collect, "stats_step", chex.assert_max_traces(collect.stats_step, n=2))
+  result = collect.collect_stats(target, batches, _options(threshold=threshold))
+  ref = _reference(target, batches, threshold)
+  f = result.filtered
+  assert result.counts["kept"] == f.num_tokens == ref["kept"] and f.num_sequences == ref["sequences"]
+  assert result.counts["shapes"] == [[2 * B, T // 2, 2], [B, T, 2]]
+  assert result.counts["padded_positions"] == 4 * B * T
+  assert (result.counts["batch_size"], result.counts["seq_len"]) == (B, T)  # the widest
+  assert result.counts["positions"] == sum(int(b.attention_mask.sum()) for b in batches)
+  tol = dict(rtol=2e-3, atol=2e-3)
+  for name, value in (("prompt_entropy", "prompt"), ("dataset_entropy", "dataset"), ("cka_exact", "exact"),
+                      ("cka_minibatch", "minibatch")):
+    np.testing.assert_allclose(getattr(f, name), ref[value], **tol, err_msg=name)
+
+
 def test_matched_control_has_the_kept_count_per_sequence(tiny):
   _, target = tiny
   batches = _batches(2, seed=1)
@@ -194,7 +221,7 @@ def test_percentile_calibration_sets_the_threshold(tiny):
   assert result.unfiltered is None
 
 
-def test_clear_errors(tiny):
+def test_clear_errors(tiny, monkeypatch):
   _, target = tiny
   with pytest.raises(ValueError, match="kept no token"):
     collect.collect_stats(target, _batches(1), _options(threshold=1e9))
@@ -205,8 +232,10 @@ def test_clear_errors(tiny):
   broken = _batches(2)
   broken[1] = FakeBatch(*(a[:, :T // 2] for a in (broken[1].input_ids, broken[1].attention_mask,
                                                     broken[1].assistant_mask)))
-  with pytest.raises(ValueError, match="fixed-shape"):
+  monkeypatch.setattr(collect, "MAX_SHAPES", 1)  # every new shape compiles again: a stream has a few at most
+  with pytest.raises(ValueError, match=r"batch 1 has shape \(8, 8\), a new one after \[\(8, 16\)\].*at most 1"):
     collect.collect_stats(target, broken, _options(threshold=0.0))
+  monkeypatch.undo()
 
   def poison(path, x):  # inf in block 1's MLP: hidden states 2.. (HF indexing) become non-finite
     name = jax.tree_util.keystr(path)
