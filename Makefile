@@ -303,7 +303,8 @@ paper-pack: setup
 # the campaign's 57: ~1.5 h for 800 answers).
 # What costs CPU-hours is kept in releases/ as in the SmolLM2 sweep: the answers (GEMMA_ANSWERS_RELEASE, packed when
 # distillation finishes; `make paper-gemma-pack` packs the chunks finished so far) and the sweep (GEMMA_RELEASE:
-# the analysis it chose from and every finished cell); each is restored first, so a new machine goes on from them.
+# the analysis it chose from and every finished cell); each is restored first, so a new machine goes on from them
+# (the sweep before the analysis: a fresh analysis would differ from the one its cells were chosen from).
 GEMMA_PAPER ?= $(RUNS)/paper-gemma
 GEMMA_PROMPTS ?= 800
 GEMMA_ANSWERS_RELEASE ?= releases/gemma3-270m-paper-distilled
@@ -319,13 +320,13 @@ paper-gemma: setup
 	    $(PY) -m layerwave.data.release unpack $(GEMMA_ANSWERS_RELEASE) $(GEMMA_PAPER)/distilled
 	test -f $(GEMMA_PAPER)/distilled/manifest.json || $(PY) $(GEMMA_DISTILL)
 	$(MAKE) paper-gemma-pack
+	test ! -f $(GEMMA_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(GEMMA_RELEASE) \
+	    $(GEMMA_PAPER)/compare
 	test -f $(GEMMA_PAPER)/analysis/layer_stats.json || \
 	    $(PY) experiments/analyze.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/analysis
 	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/features
 	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/heldout32 \
 	    --config.features.splits=heldout --config.features.dtype=float32
-	test ! -f $(GEMMA_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(GEMMA_RELEASE) \
-	    $(GEMMA_PAPER)/compare
 	$(PY) $(GEMMA_COMPARE)
 	$(PY) -m layerwave.compare_release pack $(GEMMA_PAPER)/compare $(GEMMA_RELEASE) \
 	    "--made-by=make paper-gemma (python $(GEMMA_COMPARE))"
