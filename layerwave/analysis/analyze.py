@@ -69,16 +69,8 @@ def run(config, workdir: str) -> dict:
   process_index, process_count = sharding.data_position(mesh)
   batches = data_lib.BatchIterator(ds.source(split), batch_size=batch_size, seq_len=data_options.max_length,
                                    pad_id=pad_id, seed=collect_options.seed, num_epochs=1,
-                                   process_index=process_index, process_count=process_count, widths=widths)
-  for width in batches.widths:  # before the target runs: a bucket whose rows the mesh cannot split
-    try:
-      sharding.check_batch(mesh, batches.rows(width))
-    except ValueError as e:
-      raise ValueError(f"analysis.bucket_widths={widths}: the batches of width {width} hold "
-                       f"{batches.rows(width)} rows (batch_size x max_length / {width}), which the mesh cannot "
-                       f"split ({e}). Use widths that divide batch_size x max_length = "
-                       f"{batch_size * data_options.max_length} into multiples of the 'data' axis (powers of two "
-                       "do), or () for fixed-shape batches.") from None
+                                   process_index=process_index, process_count=process_count, widths=widths,
+                                   row_multiple=sharding.data_size(mesh))  # every bucket splits over the devices
   logging.info("Analysis of %s on %s[%s] (%d examples), batches of %s.", config.model, ds.name, split,
                ds.num_examples.get(split, 0), f"{batch_size} x {data_options.max_length}" if not batches.widths
                else ", ".join(f"{batches.rows(w)} x {w}" for w in batches.widths)

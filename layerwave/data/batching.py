@@ -9,7 +9,8 @@ stream exactly (`BatchIterator(..., position=saved)`).
 
 Length buckets (`widths`): instead of padding every sequence to `seq_len`, each epoch groups the permuted
 examples by the smallest width w >= their length (`seq_len` is always the last width) and cuts each group
-into batches of floor(`batch_size * seq_len / w`) rows (rounded down to a multiple of the processes), so every
+into batches of floor(`batch_size * seq_len / w`) rows (rounded down to a multiple of the processes and of
+`row_multiple`, the devices), so every
 batch holds about the same number of token slots (exactly, for widths that divide them) and a jitted step
 compiles once per width; the batches of all widths are then shuffled together. A width too few
 examples fall into for one batch is merged into the next one up (else they would never be visited). Every example
@@ -26,6 +27,7 @@ Legend (`layerwave.axes`): B batch, T tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
@@ -101,7 +103,7 @@ class BatchIterator:
                pad_id: int, seed: int = 0, shuffle: bool = True, drop_remainder: bool = True,
                num_epochs: int | None = None, position: Position | None = None,
                process_index: int | None = None, process_count: int | None = None,
-               widths: Sequence[int] = ()):
+               widths: Sequence[int] = (), row_multiple: int = 1):
     """Creates the iterator.
 
     Args:
@@ -119,8 +121,11 @@ class BatchIterator:
       process_index: this process; default `jax.process_index()`.
       process_count: number of processes; default `jax.process_count()`.
       widths: length buckets (see the module docstring); empty = every batch is [batch_size, seq_len].
-        Each width must be <= seq_len and divide batch_size * seq_len into a row count divisible by
-        `process_count`. Lengths come from the source's `lengths()` if it has one, else from one pass over it.
+        Each width must be <= seq_len; its batches hold as many rows as fit batch_size * seq_len slots, rounded
+        down to a multiple of `process_count` and `row_multiple`. Lengths come from the source's `lengths()` if
+        it has one, else from one pass over it.
+      row_multiple: the bucket batches' global rows are a multiple of this too (pass the mesh's 'data' axis,
+        `sharding.data_size(mesh)`, so every width splits over the devices); fixed batches keep `batch_size`.
 
     Raises:
       ValueError: empty source, bad sizes or widths, or a source smaller than one batch with drop_remainder.
@@ -135,6 +140,8 @@ class BatchIterator:
       raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
     if not 0 <= self._process_index < self._process_count:
       raise ValueError(f"process_index {self._process_index} not in [0, {self._process_count})")
+    if row_multiple < 1:
+      raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
     if batch_size % self._process_count:
       raise ValueError(f"Global batch_size {batch_size} must be divisible by the process count "
                        f"{self._process_count}.")
@@ -152,6 +159,7 @@ class BatchIterator:
     self._position = position or Position()
     self._order_epoch, self._order = -1, np.zeros(0, np.int64)
     self._widths, self._rows, self._bucket = (), {}, None
+    self._row_multiple = math.lcm(self._process_count, int(row_multiple))
     if widths:
       self._init_buckets(widths)
     if self._position.step >= self.steps_per_epoch:
@@ -166,10 +174,14 @@ class BatchIterator:
       if not 0 < w <= self._seq_len:
         raise ValueError(f"Length bucket width {w} must be in [1, seq_len={self._seq_len}]; drop it from "
                          "the widths.")
-      # As many rows as fit batch_size * seq_len slots, rounded down to a multiple of the processes: a width
-      # that does not divide the slots (e.g. 384 of 4096) holds up to a row's worth fewer.
+      # As many rows as fit batch_size * seq_len slots, rounded down to a multiple of the processes (and of
+      # row_multiple, the devices): a width that does not divide the slots (e.g. 384 of 4096) holds fewer.
       rows = slots // w
-      self._rows[w] = rows - rows % self._process_count
+      self._rows[w] = rows - rows % self._row_multiple
+      if self._rows[w] == 0:
+        raise ValueError(f"Length bucket width {w} holds {rows} rows of batch_size x seq_len = {slots} slots, "
+                         f"fewer than the {self._row_multiple} the processes / devices need: drop it from the "
+                         "widths or raise batch_size.")
     bucket = np.searchsorted(np.asarray(ws), self.lengths())  # index into ws
     # A width with fewer examples than one batch would drop them every epoch: they join the next width
     # (without drop_remainder they fill one partial batch of their own width).

@@ -428,7 +428,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
   pad_id = int(target.tokenizer.pad_token_id or 0)
   process_index, process_count = sharding.data_position(mesh)
   iterate = dict(batch_size=t.batch_size, seq_len=data.max_length, pad_id=pad_id, process_index=process_index,
-                 process_count=process_count)
+                 process_count=process_count, row_multiple=sharding.data_size(mesh))  # every bucket splits
   heldout_batches = dict(iterate, shuffle=False, drop_remainder=False, num_epochs=1)
   if heldout is not None and t.bucket_widths and t.eval_batches >= data_lib.BatchIterator(
       heldout, **heldout_batches).steps_per_epoch:

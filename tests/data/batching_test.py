@@ -202,6 +202,23 @@ def test_bucket_errors():
   source = _source(n=60)
   with pytest.raises(ValueError, match="must be in \\[1, seq_len=8\\]"):
     _bucketed(source, widths=(16,))
+  with pytest.raises(ValueError, match="width 4 holds 4 rows .* fewer than the 8 the processes / devices need"):
+    _bucketed(source, widths=(4,), row_multiple=8)
+  with pytest.raises(ValueError, match="row_multiple must be >= 1"):
+    _bucketed(source, row_multiple=0)
+
+
+def test_bucket_rows_are_a_multiple_of_the_devices():
+  """64 slots on 4 devices: width 3 holds 21 rows → 20, width 6 10 → 8; the full width keeps batch_size."""
+  source = [{"input_ids": np.arange(1 + i % 16)} for i in range(200)]
+  it = _bucketed(source, batch_size=4, seq_len=16, widths=(3, 6), row_multiple=4, drop_remainder=False)
+  assert (it.rows(3), it.rows(6), it.rows(16)) == (20, 8, 4)
+  batches = [next(it) for _ in range(it.steps_per_epoch)]
+  assert all(b.input_ids.shape[0] % 4 == 0 for b in batches)
+  seen = sorted(int(i) for b in batches for i, m in zip(b.indices, b.example_mask) if m)
+  assert seen == list(range(200))  # every example once per epoch
+  plain = _bucketed(source, batch_size=4, seq_len=16, widths=(3, 6))
+  assert (plain.rows(3), plain.rows(6)) == (21, 10)  # one device: every row that fits
 
 
 
