@@ -30,8 +30,9 @@ HSIC minibatches (cut from each batch's kept tokens: another partition, the same
 subsample, the matched control's random draws and which sequences the calibration batches hold. The step
 compiles once per shape (at most `MAX_SHAPES`).
 
-Stability: with `halves=True`, even and odd batches feed two separate accumulator sets (the same total work);
-the full-data statistics are their `stats.merge`, and the halves are returned for the agreement report.
+Stability: with `halves=True`, even and odd batches (of each shape) feed two separate accumulator sets (the same
+total work); the full-data statistics are their `stats.merge`, and the halves are returned for the agreement
+report.
 
 Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
 """
@@ -152,7 +153,8 @@ class CollectResult:
   Attributes:
     filtered: statistics of the kept tokens (filter applied).
     unfiltered: statistics without the filter (`CollectOptions.unfiltered`), or None.
-    halves: {"filtered": (even, odd), "unfiltered": (even, odd)} statistics of the even / odd batches, or None.
+    halves: {"filtered": (even, odd), "unfiltered": (even, odd)} statistics of the even / odd batches (of each
+      shape), or None.
     threshold: the entropy cut in nats that was applied.
     counts: positions (real tokens), eligible, kept, batches, padded positions (token slots, the batches' B x T
       summed), batch_size and seq_len (of the widest batch) and `shapes`: [[B, T, batches], ...] by width.
@@ -374,7 +376,9 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
                        f"the step again, and a stream may have at most {MAX_SHAPES}. Use fixed-shape batches "
                        "(BatchIterator with one seq_len) or a few length buckets (analysis.bucket_widths).")
     shapes[shape] = shapes.get(shape, 0) + 1
-    half = index % num_halves
+    # Even / odd batches of each shape: with length buckets both halves get the same mix of lengths (a batch of
+    # one width holds sequences of similar length); with one shape, even / odd batches.
+    half = (shapes[shape] - 1) % num_halves
     if new_shape and start is not None:
       jax.block_until_ready(states)
       compile_start = time.perf_counter()

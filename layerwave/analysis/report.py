@@ -190,7 +190,7 @@ def stability_report(halves: tuple[stats_lib.LayerStats | None, stats_lib.LayerS
                           "match_full": [ids_a == list(record.ids), ids_b == list(record.ids)]}
   return {
       "available": True,
-      "split": "even / odd batches (disjoint sequences)",
+      "split": "even / odd batches of each shape (disjoint sequences)",
       "tokens": [a.num_tokens, b.num_tokens],
       "entropy_spearman": _spearman(ea, eb),
       "entropy_max_abs_diff": float(np.max(np.abs(ea - eb))),

@@ -194,6 +194,11 @@ def test_length_buckets_match_float64_reference_with_one_trace_per_shape(tiny, m
   for name, value in (("prompt_entropy", "prompt"), ("dataset_entropy", "dataset"), ("cka_exact", "exact"),
                       ("cka_minibatch", "minibatch")):
     np.testing.assert_allclose(getattr(f, name), ref[value], **tol, err_msg=name)
+  # The stability halves alternate within each shape, so both get the same mix of lengths: the first batch of
+  # each shape (batches 0 and 1) against the second (2 and 3), not even / odd batch numbers (0, 2: one shape).
+  first = _reference(target, batches[:2], threshold)
+  assert [h.num_tokens for h in result.halves["filtered"]] == [first["kept"], ref["kept"] - first["kept"]]
+  assert result.halves["filtered"][0].num_sequences == first["sequences"]
 
 
 def test_matched_control_has_the_kept_count_per_sequence(tiny):
