@@ -20,8 +20,6 @@ import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before num
 import functools
 import json
 import os
-import platform
-import statistics
 
 from absl import app
 from absl import flags
@@ -66,39 +64,13 @@ def main(argv):
   states = {m: collect.init_state(target, options, mesh) for m in its}
   threshold = np.float32(1.0)  # any cut: the work does not depend on it
 
-  def step(mode, batch, index):
+  def step(mode, batch):
     arrays = collect._put_batch(batch, mesh)  # pylint: disable=protected-access
-    states[mode] = step_fn(target.params, states[mode], *arrays, threshold, np.int32(index))
+    states[mode] = step_fn(target.params, states[mode], *arrays, threshold, np.int32(0))
     return states[mode]["tokens"]["kept"]
 
-  # Warm-up: one step of the fixed shape and one of every bucket width (each compiles once).
-  metrics_lib.timed(lambda: step("fixed", next(its["fixed"]), 0))
-  pending = set(its["bucketed"].widths)
-  for _ in range(its["bucketed"].steps_per_epoch):  # a width without a full batch never comes
-    if not pending:
-      break
-    batch = next(its["bucketed"])
-    if batch.input_ids.shape[1] in pending:
-      pending.discard(batch.input_ids.shape[1])
-      metrics_lib.timed(lambda batch=batch: step("bucketed", batch, 0))
-  times = {m: [] for m in its}
-  tokens = {m: 0 for m in its}
-  for i in range(_STEPS.value):
-    for mode in its:
-      batch = next(its[mode])
-      times[mode].append(metrics_lib.timed(lambda mode=mode, batch=batch, i=i: step(mode, batch, i + 1)))
-      tokens[mode] += int(batch.attention_mask.sum())
-      logging.info("step %d %s %s: %.2fs, %d real tokens", i, mode, batch.input_ids.shape, times[mode][-1],
-                   int(batch.attention_mask.sum()))
-  rows = {}
-  for mode, it in its.items():
-    rows[mode] = {"widths": list(it.widths) or [t], "slot_share_epoch": it.epoch_fill(),
-                  "steps_per_epoch": it.steps_per_epoch, "median_step_s": statistics.median(times[mode]),
-                  "real_tokens_per_s": tokens[mode] / sum(times[mode]), "times": times[mode],
-                  "real_tokens": tokens[mode]}
-  ratio = rows["bucketed"]["real_tokens_per_s"] / rows["fixed"]["real_tokens_per_s"]
-  machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-             "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+  rows, ratio = metrics_lib.fixed_vs_buckets(its, step, _STEPS.value, t)
+  machine = metrics_lib.machine()
   result = {"model": config.model, "data": ds.name, "source": data_options.source, "batch": b, "seq_len": t,
             "dtype": config.dtype, "machine": machine, "modes": rows, "bucketed_over_fixed": ratio}
   os.makedirs(_WORKDIR.value, exist_ok=True)
@@ -106,12 +78,7 @@ def main(argv):
     json.dump(result, f, indent=1)
   print(f"\n{config.model} ({config.dtype}) on {ds.name}, the analysis step, {b} x {t} token slots per step, "
         f"{_STEPS.value} alternated steps per mode, {machine['cpus']} CPUs\n")
-  print("| batches | widths | real tokens / slots (epoch) | steps / epoch | median step (s) | real tokens/s |")
-  print("|---|---|---|---|---|---|")
-  for mode, r in rows.items():
-    print(f"| {mode} | {','.join(map(str, r['widths']))} | {r['slot_share_epoch']:.2f} | {r['steps_per_epoch']} | "
-          f"{r['median_step_s']:.2f} | {r['real_tokens_per_s']:.0f} |")
-  print(f"\nbucketed / fixed real tokens/s: {ratio:.2f}x")
+  print(metrics_lib.buckets_table(rows, ratio))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before num
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
-import platform
-import statistics
 
 from absl import app
 from absl import flags
@@ -84,32 +82,8 @@ def main(argv):
     states[mode], m = step_lib.train_step_offline(states[mode], vocab, embed, head, arrays, **kw)
     return m["loss"]
 
-  # Warm-up: one step of the fixed shape and one of every bucket width (each compiles once).
-  metrics_lib.timed(lambda: step("fixed", next(its["fixed"])))
-  pending = set(its["bucketed"].widths)
-  for _ in range(its["bucketed"].steps_per_epoch):  # a width without a full batch never comes
-    batch = next(its["bucketed"])
-    if batch.input_ids.shape[1] in pending:
-      pending.discard(batch.input_ids.shape[1])
-      metrics_lib.timed(lambda batch=batch: step("bucketed", batch))
-  times = {m: [] for m in its}
-  tokens = {m: 0 for m in its}
-  for i in range(_STEPS.value):
-    for mode in its:
-      batch = next(its[mode])
-      times[mode].append(metrics_lib.timed(lambda mode=mode, batch=batch: step(mode, batch)))
-      tokens[mode] += int(batch.attention_mask.sum())
-      logging.info("step %d %s %s: %.2fs, %d real tokens", i, mode, batch.input_ids.shape, times[mode][-1],
-                   int(batch.attention_mask.sum()))
-  rows = {}
-  for mode, it in its.items():
-    rows[mode] = {"widths": list(it.widths) or [t], "slot_share_epoch": it.epoch_fill(),
-                  "steps_per_epoch": it.steps_per_epoch, "median_step_s": statistics.median(times[mode]),
-                  "real_tokens_per_s": tokens[mode] / sum(times[mode]), "times": times[mode],
-                  "real_tokens": tokens[mode]}
-  ratio = rows["bucketed"]["real_tokens_per_s"] / rows["fixed"]["real_tokens_per_s"]
-  machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-             "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+  rows, ratio = metrics_lib.fixed_vs_buckets(its, step, _STEPS.value, t)
+  machine = metrics_lib.machine()
   result = {"model": config.model, "store": os.path.abspath(_FEATURES.value), "layers": list(layers), "K": _K.value,
             "V_d": draft.config.draft_vocab_size, "batch": b, "seq_len": t, "machine": machine, "modes": rows,
             "bucketed_over_fixed": ratio}
@@ -118,12 +92,7 @@ def main(argv):
     json.dump(result, f, indent=1)
   print(f"\n{config.model}, layers {list(layers)}, K={_K.value}, V_d={result['V_d']}, {b} x {t} token slots per "
         f"step, {_STEPS.value} alternated steps per mode, {machine['cpus']} CPUs\n")
-  print("| batches | widths | real tokens / slots (epoch) | steps / epoch | median step (s) | real tokens/s |")
-  print("|---|---|---|---|---|---|")
-  for mode, r in rows.items():
-    print(f"| {mode} | {','.join(map(str, r['widths']))} | {r['slot_share_epoch']:.2f} | {r['steps_per_epoch']} | "
-          f"{r['median_step_s']:.2f} | {r['real_tokens_per_s']:.0f} |")
-  print(f"\nbucketed / fixed real tokens/s: {ratio:.2f}x")
+  print(metrics_lib.buckets_table(rows, ratio))
 
 
 if __name__ == "__main__":

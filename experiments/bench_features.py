@@ -22,7 +22,6 @@ import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before num
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
-import platform
 import shutil
 import statistics
 
@@ -227,8 +226,7 @@ def main(argv):
     extraction, store = None, features.open_store(store_dir)
   steps = [bench_steps(target, dataset, store, layers, int(k), batch) for k in _KS.value.split(",")
            if "steps" in parts]
-  machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-             "jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "dtype": config.dtype}
+  machine = {**metrics_lib.machine(), "dtype": config.dtype}
   result = {"model": config.model, "layers": list(layers), "store_dtype": _DTYPE.value, "machine": machine,
             "extraction": extraction, "steps": steps}
   with open(os.path.join(_WORKDIR.value, f"bench_features_{'_'.join(parts)}.json"), "w") as f:

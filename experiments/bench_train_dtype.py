@@ -27,7 +27,6 @@ import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before num
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
-import platform
 import re
 import statistics
 
@@ -135,8 +134,7 @@ def main(argv):
     logging.info("step %d: %s", i, ", ".join(f"{d} {times[d][-1]:.3f}s" for d in DTYPES))
   median = {d: statistics.median(times[d]) for d in DTYPES}
   ratio = median["float32"] / median["bfloat16"]
-  machine = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-             "jax": jax.__version__, "devices": [str(x) for x in jax.devices()]}
+  machine = metrics_lib.machine()
   result = {"model": config.model, "layers": list(ids), "K": _K.value, "V_d": _VOCAB.value, "batch": b,
             "step": ("online (dtype = the target's forward)" if _ONLINE.value else
                      "offline (dtype = the draft's compute)"),

@@ -63,3 +63,24 @@ def test_quiet_library_logs_drops_orbax_info_only(handler_filters):
   assert added[0].filter(record(std_logging.WARNING, "/site-packages/orbax/checkpoint/manager.py"))
   own = os.path.join(os.path.dirname(metrics.__file__), "training", "loop.py")  # layerwave's own INFO stays
   assert added[0].filter(record(std_logging.INFO, own))
+
+
+def test_fixed_vs_buckets_times_every_mode_on_its_own_batches():
+  from layerwave import data  # pylint: disable=g-import-not-at-top
+  source = [{"input_ids": np.arange(1, 2 + i % 16)} for i in range(64)]  # lengths 2..17, cut to 16
+  its = {mode: data.BatchIterator(source, batch_size=4, seq_len=16, pad_id=0, process_index=0, process_count=1,
+                                  widths=w) for mode, w in (("fixed", ()), ("bucketed", (4, 8)))}
+  seen = {"fixed": [], "bucketed": []}
+
+  def step(mode, batch):
+    seen[mode].append(batch.input_ids.shape)
+    return np.float32(batch.attention_mask.sum())
+
+  rows, ratio = metrics.fixed_vs_buckets(its, step, 3, 16)
+  assert set(seen["fixed"]) == {(4, 16)} and len(seen["fixed"]) == 1 + 3  # warm-up, then the timed steps
+  assert {(16, 4), (8, 8)} <= set(seen["bucketed"])  # every width warmed up
+  assert rows["fixed"]["widths"] == [16] and rows["bucketed"]["widths"] == [4, 8, 16]
+  assert rows["bucketed"]["slot_share_epoch"] > rows["fixed"]["slot_share_epoch"]
+  assert len(rows["fixed"]["times"]) == 3 and ratio > 0
+  assert "| bucketed | 4,8,16 |" in metrics.buckets_table(rows, ratio)
+  assert metrics.machine()["cpus"] == os.cpu_count()
