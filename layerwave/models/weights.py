@@ -2,7 +2,8 @@
 
 One loader serves both formats: a GGUF file is converted once into an HF-layout directory (config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with the chat template) in a cache outside the
-repository, and from then on it is an ordinary HF checkpoint. No pickle is ever read.
+repository, and from then on it is an ordinary HF checkpoint. No pickle is ever read. `load_target` reads
+safetensors slice by slice onto the mesh (`safetensors_loading`), with the name and shape checks defined here.
 
 Naming: the Flax target mirrors HF's attribute names, so `model.layers.3.self_attn.q_proj.weight` is the
 parameter at path `('layers', 3, 'self_attn', 'q_proj', 'kernel')`, transposed (HF stores `[out, in]`).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 CONVERTER_VERSION = 1
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
+def hf_name(path: tuple) -> tuple[str, bool]:
   """Flax parameter path → (HF tensor name, whether it is transposed)."""
   *prefix, leaf = [str(p) for p in path]
   base = ".".join(prefix)
@@ -40,7 +41,11 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
 
 
 def read_safetensors(directory: str) -> dict[str, np.ndarray]:
-  """Reads `model.safetensors` or a sharded `model.safetensors.index.json` into numpy float arrays."""
+  """Reads `model.safetensors` or a sharded `model.safetensors.index.json` into numpy float arrays.
+
+  The whole checkpoint in float32 host memory: for tests and small models. `load_target` reads large ones
+  slice by slice onto the mesh instead (`safetensors_loading.load_params`).
+  """
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   single = os.path.join(directory, "model.safetensors")
   index = os.path.join(directory, "model.safetensors.index.json")
@@ -61,9 +66,58 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+def abstract_model(config: ModelConfig, dtype=jnp.float32) -> tuple[nnx.GraphDef, list[tuple[tuple, Any]]]:
+  """The model's graph and its parameters as `(path, abstract variable)` pairs (shapes only, no memory)."""
+  abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  return graphdef, list(nnx.to_flat_state(state))
+
+
+def check_checkpoint(config: ModelConfig, flat, shapes: Mapping[str, Sequence[int]]) -> None:
+  """Checks a checkpoint's tensor names and shapes against the model's parameters.
+
+  Args:
+    config: the model's config.
+    flat: `abstract_model`'s `(path, variable)` pairs.
+    shapes: HF tensor name → its shape as stored (`[out, in]` for projections).
+
+  Raises:
+    ValueError: naming every missing, unexpected or wrongly shaped tensor. `rotary_emb.inv_freq` is ignored,
+      and a tied model tolerates a stored `lm_head.weight`.
+  """
+  expected = {}
+  for path, var in flat:
+    name, transposed = hf_name(path)
+    expected[name] = (transposed, tuple(var.shape))
+  present = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
+  if config.tie_word_embeddings:
+    present.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix
+  missing = sorted(set(expected) - present)
+  extra = sorted(present - set(expected))
+  problems = []
+  if missing:
+    problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+  if extra:
+    problems.append(f"unexpected tensors: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+  for name, (transposed, shape) in expected.items():
+    if name in shapes:
+      stored = tuple(shapes[name])
+      if (stored[::-1] if transposed else stored) != shape:
+        problems.append(f"{name} has shape {stored}, expected {shape[::-1] if transposed else shape}")
+  if problems:
+    raise ValueError("Checkpoint does not match its config.json (" + config.model_type + "): "
+                     + "; ".join(problems))
+
+
+def merge_model(graphdef: nnx.GraphDef, flat, value_fn: Callable[[tuple, Any], Any]) -> Transformer:
+  """The model whose parameter at each path of `flat` is `value_fn(path, abstract variable)`."""
+  state = nnx.from_flat_state([(path, var.replace(value_fn(path, var))) for path, var in flat])
+  return nnx.merge(graphdef, state)
+
+
 def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=jnp.float32,
                    sharding_fn=None) -> Transformer:
-  """Builds a `Transformer` from HF-named tensors, checking names and shapes.
+  """Builds a `Transformer` from HF-named tensors in memory, checking names and shapes.
 
   Args:
     config: the model's config.
@@ -77,41 +131,17 @@ def params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray], dtype
   Raises:
     ValueError: naming every missing, unexpected or wrongly shaped tensor.
   """
-  abstract = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  flat = nnx.to_flat_state(state)
-  expected = {}
-  for path, var in flat:
-    name, transposed = _hf_name(path)
-    expected[name] = (path, transposed, var.shape)
-  present = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
-  if config.tie_word_embeddings:
-    present.discard("lm_head.weight")  # some tied checkpoints still store the shared matrix
-  missing = sorted(set(expected) - present)
-  extra = sorted(present - set(expected))
-  problems = []
-  if missing:
-    problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-  if extra:
-    problems.append(f"unexpected tensors: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-  for name, (path, transposed, shape) in expected.items():
-    if name in tensors:
-      got = tuple(tensors[name].shape[::-1] if transposed else tensors[name].shape)
-      if got != tuple(shape):
-        problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected "
-                        f"{tuple(shape[::-1]) if transposed else tuple(shape)}")
-  if problems:
-    raise ValueError("Checkpoint does not match its config.json (" + config.model_type + "): "
-                     + "; ".join(problems))
-  values = []
-  for path, var in flat:
-    name, transposed = _hf_name(path)
+  graphdef, flat = abstract_model(config, dtype)
+  check_checkpoint(config, flat, {k: v.shape for k, v in tensors.items()})
+
+  def value(path, var):
+    del var
+    name, transposed = hf_name(path)
     arr = np.asarray(tensors[name], np.float32)
     arr = arr.T if transposed else arr
-    value = jnp.asarray(arr, dtype) if sharding_fn is None else sharding_fn(path, arr.astype(dtype))
-    values.append((path, var.replace(value)))
-  state = nnx.from_flat_state(values)
-  return nnx.merge(graphdef, state)
+    return jnp.asarray(arr, dtype) if sharding_fn is None else sharding_fn(path, arr.astype(dtype))
+
+  return merge_model(graphdef, flat, value)
 
 
 # ---------------------------------------------------------------------------------------------------
