@@ -36,8 +36,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from layerwave import sharding
+from layerwave.models import attention
 from layerwave.models import hub
-from layerwave.models import weights
+from layerwave.models import safetensors_loading
 from layerwave.models.config import ModelConfig
 from layerwave.models.kv_cache import KVCache, causal_mask
 from layerwave.models.target import TargetOutput, Transformer
@@ -181,7 +182,7 @@ def forward_fn(graphdef, params, tokens, attention_mask, *, return_hidden_states
   model = nnx.merge(graphdef, params)
   return model(tokens, positions_from_mask(attention_mask), causal_mask(attention_mask),
                return_hidden_states=return_hidden_states, hidden_layers=hidden_layers,
-               compute_logits=compute_logits)
+               compute_logits=compute_logits, valid=attention_mask)
 
 
 def compute_dtype(graphdef, params):
@@ -216,7 +217,7 @@ def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
 
 
 def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
-                mesh_spec: sharding.MeshSpec = sharding.DEFAULT_MESH) -> Target:
+                mesh_spec: sharding.MeshSpec = sharding.DEFAULT_MESH, attention_impl: str = "auto") -> Target:
   """Loads a Llama-family target LLM.
 
   Args:
@@ -225,6 +226,7 @@ def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
     dtype: parameter/compute dtype: 'float32' (default), 'bfloat16' or 'float16'.
     mesh: the device mesh; built from `mesh_spec` when None.
     mesh_spec: axes for a new mesh, e.g. `(('data', -1),)` or `(('data', -1), ('model', 2))`.
+    attention_impl: the kernel of cache-free causal forwards (`with_attention`); "auto" by the mesh's platform.
 
   Returns:
     A `Target`.
@@ -233,12 +235,11 @@ def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,
   path = hub.resolve(spec)
   config = ModelConfig.from_pretrained(path)
   mesh = sharding.make_mesh(mesh_spec) if mesh is None else mesh
-  tensors = weights.read_safetensors(path)
-  model = weights.params_from_hf(config, tensors, dtype, sharding_fn=sharding.place_param(mesh))
-  del tensors
+  model = safetensors_loading.load_params(config, path, mesh, dtype)  # slice by slice, onto the mesh
   graphdef, params = nnx.split(model)
-  return Target(config=config, graphdef=graphdef, params=params, tokenizer=_load_tokenizer(path),
-                mesh=mesh, path=path, spec=str(spec))
+  target = Target(config=config, graphdef=graphdef, params=params, tokenizer=_load_tokenizer(path),
+                  mesh=mesh, path=path, spec=str(spec))
+  return with_attention(target, attention_impl)
 
 
 def with_dtype(target: Target, dtype: Any) -> Target:
@@ -264,9 +265,24 @@ def with_dtype(target: Target, dtype: Any) -> Target:
   if have != jnp.dtype(jnp.float32):
     raise ValueError(f"Cannot cast a {have.name} target to {want.name}: load it in float32 "
                      f"(load_target(spec, dtype='float32')) or in {want.name} directly.")
-  abstract = nnx.eval_shape(lambda: Transformer(target.config, dtype=want, rngs=nnx.Rngs(0)))
+  have_model = nnx.merge(target.graphdef, target.params)
+  abstract = nnx.eval_shape(lambda: Transformer(target.config, dtype=want, rngs=nnx.Rngs(0),
+                                                attention_impl=have_model.attention_impl, mesh=have_model.mesh))
   graphdef, _ = nnx.split(abstract)
   params = jax.tree.map(lambda x: x.astype(want), target.params)
+  return dataclasses.replace(target, graphdef=graphdef, params=params)
+
+
+def with_attention(target: Target, impl: str = "auto") -> Target:
+  """The same target with its cache-free causal forwards through `impl` (`attention.causal_attention`'s kernels;
+  "auto": the kernel for the platform of the target's mesh, "xla" on CPU, "splash" on TPU, "cudnn" on GPU).
+  No parameter moves: only the static graph changes."""
+  impl = attention.default_impl(target.mesh.devices.flat[0].platform) if impl == "auto" else impl
+  if impl not in attention.IMPLS:
+    raise ValueError(f"Unknown attention kernel {impl!r}: choose among {list(attention.IMPLS)} or 'auto'.")
+  model = nnx.merge(target.graphdef, target.params)
+  model.attention_impl, model.mesh = impl, (None if impl == "xla" else target.mesh)
+  graphdef, params = nnx.split(model)
   return dataclasses.replace(target, graphdef=graphdef, params=params)
 
 

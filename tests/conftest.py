@@ -16,6 +16,10 @@ import pytest  # pylint: disable=g-import-not-at-top
 from layerwave.models import hub  # pylint: disable=g-import-not-at-top
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The tests run on the CPU. The test extra installs libtpu (for the ahead-of-time TPU compiles of tests/aot), and
+# with it installed every jax process would also try to start a TPU backend that this machine does not have.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 # A persistent compilation cache outside the repository ($LAYERWAVE_CACHE/jax-compilation, default
 # ~/.cache/layerwave/jax-compilation), for this process and, through the environment, for every process the

@@ -19,11 +19,15 @@ Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from layerwave.models import attention
 from layerwave.models import kv_cache
 from layerwave.models import layers
 from layerwave.models.config import ModelConfig
@@ -71,7 +75,7 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
 
-  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None):
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None, causal=None):
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -86,7 +90,11 @@ class Attention(nnx.Module):
       cache_kv = (k, v)
       if read_slots is not None:  # attention reads the first `read_slots` slots only (static)
         k, v = k[:, :read_slots], v[:, :read_slots]
-    out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.scale)
+    if causal is not None:  # a cache-free causal forward: the kernel `causal.impl` names, [T, T] never whole
+      out = attention.causal_attention(q, k, v, causal.valid, scale=self.scale, window=causal.window,
+                                       impl=causal.impl, mesh=causal.mesh)
+    else:
+      out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1)), cache_kv
 
 
@@ -109,9 +117,9 @@ class DecoderLayer(nnx.Module):
       self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
     self.mlp = layers.MLP(d, config.intermediate_size, dtype=dtype, rngs=rngs, gelu=gemma)
 
-  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None):
+  def __call__(self, x, positions, inv_freq, mask, cache_kv, lengths, read_slots=None, causal=None):
     h, cache_kv = self.self_attn(self.input_layernorm(x), positions, inv_freq, mask, cache_kv,
-                                 lengths, read_slots)
+                                 lengths, read_slots, causal)
     if self.pre_feedforward_layernorm is None:
       x = x + h
       x = x + self.mlp(self.post_attention_layernorm(x))
@@ -121,11 +129,30 @@ class DecoderLayer(nnx.Module):
     return x, cache_kv
 
 
-class Transformer(nnx.Module):
-  """Llama-family or Gemma 3 causal LM. Attribute names mirror Hugging Face's so weights map one to one."""
+@dataclasses.dataclass(frozen=True)
+class CausalKernel:
+  """A cache-free causal forward's attention through `attention.causal_attention` (per layer: `window`)."""
 
-  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  valid: Array
+  impl: str
+  mesh: Any
+  window: int | None = None
+
+
+class Transformer(nnx.Module):
+  """Llama-family or Gemma 3 causal LM. Attribute names mirror Hugging Face's so weights map one to one.
+
+  `attention_impl` (static, in the graphdef) names the kernel of cache-free causal forwards given `valid`
+  (`attention.causal_attention`: "xla" is the dense path every other call takes; "splash" on TPU, "cudnn" on
+  GPU, "chunked" anywhere never materialise the [T, T] scores); `mesh` is the mesh the kernel shards over.
+  `inference.with_attention` sets both on a loaded target.
+  """
+
+  def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, attention_impl: str = "xla",
+               mesh=None):
     self.config = config
+    self.attention_impl = attention_impl
+    self.mesh = mesh
     self.compute_dtype = jnp.dtype(dtype)  # static (in the graphdef): the KV cache's dtype
     self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                   param_dtype=dtype, rngs=rngs)
@@ -164,6 +191,7 @@ class Transformer(nnx.Module):
       hidden_layers: tuple[int, ...] | None = None,
       compute_logits: bool = True,
       read_slots: int | None = None,
+      valid: Array | None = None,
   ) -> TargetOutput:
     """Runs the decoder.
 
@@ -179,6 +207,8 @@ class Transformer(nnx.Module):
       read_slots: with a cache, attention reads only its first `read_slots` slots (static; every row's
         `lengths + T` must not exceed it), so a step costs what the live context costs, not the whole
         preallocated cache. None reads every slot.
+      valid: `[B, T]` real tokens of a cache-free forward whose `mask` is `causal_mask(valid)`: attention then
+        runs through the target's `attention_impl` kernel (the same values; "xla" is the dense path itself).
 
     Returns:
       A `TargetOutput`.
@@ -197,12 +227,16 @@ class Transformer(nnx.Module):
     wanted = set(range(c.num_layers + 1) if hidden_layers is None else hidden_layers)
     collected = {0: x} if return_hidden_states and 0 in wanted else {}
     new_k, new_v = [], []
+    kernel = None
+    if valid is not None and cache is None and self.attention_impl != "xla":
+      kernel = CausalKernel(valid, self.attention_impl, self.mesh)
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.keys[i], cache.values[i])
       if c.is_sliding(i):
-        x, kv = layer(x, positions, local_freq, local_mask, kv, lengths, bound)
+        local = None if kernel is None else dataclasses.replace(kernel, window=c.sliding_window)
+        x, kv = layer(x, positions, local_freq, local_mask, kv, lengths, bound, local)
       else:
-        x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths, bound)
+        x, kv = layer(x, positions, inv_freq, full_mask, kv, lengths, bound, kernel)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])

@@ -52,6 +52,29 @@ def test_hidden_states_and_logits_match_pytorch(family):
                              rtol=1e-4, err_msg=f"{name}: logits")
 
 
+def test_the_memory_efficient_attention_kernel_matches_pytorch_too(family):
+  """`with_attention("chunked")`: the forward without [T, T] scores (what TPU's splash and GPU's cuDNN replace
+  too) equals HF's model at real positions, every family (Gemma's sliding window included)."""
+  name, hf_model, target = family
+  chunked = inference.with_attention(target, "chunked")
+  assert nnx_attention(chunked) == "chunked" and nnx_attention(target) == "xla"  # auto on CPU: today's path
+  ids, mask = _batch(target.config.vocab_size, seed=3)
+  with torch.no_grad():
+    ref = hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+  out = chunked.forward(ids, mask, return_hidden_states=True)
+  real = mask.astype(bool)
+  for i in range(target.config.num_layers + 1):
+    np.testing.assert_allclose(np.asarray(out.hidden_states[i])[real], ref.hidden_states[i].numpy()[real],
+                               atol=1e-4, rtol=1e-4, err_msg=f"{name}: hidden state {i}")
+  np.testing.assert_allclose(np.asarray(out.logits)[real], ref.logits.numpy()[real], atol=1e-4, rtol=1e-4)
+  with pytest.raises(ValueError, match="Unknown attention kernel 'flash'"):
+    inference.with_attention(target, "flash")
+
+
+def nnx_attention(target):
+  return inference.nnx.merge(target.graphdef, target.params).attention_impl
+
+
 def test_cached_decoding_equals_full_forward(family):
   """Prefill part of a ragged batch, then feed the rest one token and three tokens at a time."""
   _, _, target = family
