@@ -77,7 +77,7 @@ def bench_forward_and_extraction(target, dataset, store_dir, layers, batch):
   batches = [next(it) for _ in range(_WARMUP.value + _STEPS.value)]
   stored = tuple(d for d in layers if d != target.config.num_layers)
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
-  extract_fn = extraction_lib._forward(target.mesh, target.graphdef, stored, dtype)  # pylint: disable=protected-access
+  extract_fn = extraction_lib.forward_step(target.mesh, target.graphdef, stored, dtype)  # pylint: disable=protected-access
 
   def bare(b):
     ids, mask = jax.device_put(b.input_ids, rows), jax.device_put(b.attention_mask, rows)

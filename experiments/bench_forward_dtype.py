@@ -2,7 +2,7 @@
 
   python experiments/bench_forward_dtype.py --shapes=8x256,8x512,16x256 --layers=2,15,27
 
-For each [batch, width], times the jitted forward `features.extract` runs (`extraction._forward`: every layer,
+For each [batch, width], times the jitted forward `features.extract` runs (`extraction.forward_step`: every layer,
 the selected depths and the final states out, the greedy next token from chunked logits, no [B, T, V] array)
 with the target loaded in float32 and in bfloat16 (weights and activations bf16, every dot bf16 x bf16 -> f32
 as `layers.Linear` asks), alternating the two dtypes repeat by repeat on the same tokens (real MT-bench and
@@ -47,7 +47,7 @@ def main(argv):
   del argv
   layers = tuple(int(x) for x in _LAYERS.value)
   targets = {d: load_target(_MODEL.value, dtype=d) for d in ("float32", "bfloat16")}
-  fns = {d: extraction._forward(t.mesh, t.graphdef, layers, jnp.float32)  # pylint: disable=protected-access
+  fns = {d: extraction.forward_step(t.mesh, t.graphdef, layers, jnp.float32)  # pylint: disable=protected-access
          for d, t in targets.items()}
   for shape in _SHAPES.value:
     batch, width = map(int, shape.split("x"))

@@ -83,6 +83,7 @@ def main(argv):
                                      chat_format=config.data.chat_format)
   options = dataclasses.replace(options, num_prompts=_NUM.value + 8, slots=_SLOTS.value,
                                 chunk_steps=_CHUNK.value, batch_size=_BATCH.value or options.batch_size)
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.require_single_process("bench_generation")
   target = load_target(config.model, dtype=config.dtype, mesh=sharding.make_mesh(config.mesh))

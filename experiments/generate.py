@@ -21,6 +21,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Optional directory for generati
 
 def run(config, workdir=None) -> list[dict]:
   """Loads `config.model`, answers each question greedily (or sampled), prints and returns them."""
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.require_single_process("Generation")
   target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)

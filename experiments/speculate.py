@@ -36,6 +36,7 @@ _PROMPT = flags.DEFINE_string("prompt", None, "One question instead of the datas
 
 def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   """Decodes every prompt speculatively (paired with AR when `compare_ar`); returns the aggregate metrics."""
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.require_single_process("Speculative decoding")
   s = config.speculate

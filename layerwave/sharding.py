@@ -45,6 +45,17 @@ def maybe_initialize_distributed(enabled: bool) -> None:
   jax.distributed.initialize(**kwargs)
 
 
+def use_compilation_cache(directory: str) -> None:
+  """Keeps XLA's compiled programs in `directory` (jax's persistent cache), so that the next run of the same
+  stage on the same devices reads its programs back instead of compiling them again (minutes for an 8B target
+  on TPU). A no-op for an empty `directory`, or when JAX_COMPILATION_CACHE_DIR is set (that wins). The scale
+  configs (configs/scale.py) set `compilation_cache`; CPU configs leave it empty."""
+  if not directory or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def make_mesh(spec: MeshSpec = DEFAULT_MESH, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds a mesh from `((axis_name, size), ...)`; one size may be -1 (all remaining devices)."""
   devices = list(jax.devices() if devices is None else devices)
@@ -156,22 +167,65 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 
 
 # Parameter name (leaf module) -> which kernel axis is split over 'model'.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split outputs
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc")  # split outputs (fc: the draft's fusion)
 _ROW = ("o_proj", "down_proj")  # split inputs
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> P:
-  """PartitionSpec for a target parameter: replicated, or Megatron-style split over `'model'`."""
+  """PartitionSpec for a target parameter: replicated, or Megatron-style split over `'model'`.
+
+  The embedding `[V, D]` and the LM head `[D, V]` are split over the vocabulary, so the logits `[.., V]` come
+  out split over `'model'` too and no chip holds the whole matrix or the whole logits (MaxText's layout). A
+  vocabulary the axis does not divide stays replicated.
+  """
   if "model" not in mesh.shape or mesh.shape["model"] == 1:
     return P()
   n = mesh.shape["model"]
   names = [str(p) for p in path]
   module = names[-2] if len(names) >= 2 else ""
+  if (names[-1] == "embedding" or names == ["embed_tokens"]) and shape[0] % n == 0:  # the draft's frozen copy too
+    return P("model", None)
+  if module == "lm_head" and names[-1] == "kernel" and shape[-1] % n == 0:
+    return P(None, "model")
   if module in _COLUMN and shape[-1] % n == 0:
     return P(None, "model") if names[-1] == "kernel" else P("model")
   if module in _ROW and names[-1] == "kernel" and shape[0] % n == 0:
     return P("model", None)
   return P()
+
+
+def fsdp_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
+  """PartitionSpec that splits an array over every device of the mesh (fully sharded data parallelism).
+
+  The first axis of the largest that the device count divides is split over all the mesh's axes at once; an
+  array with no such axis (norm scales, scalars) stays replicated. Used for the draft's parameters and AdamW
+  moments during training: each chip keeps 1/N of them and XLA gathers a layer's weights where the step
+  reads them (the ZeRO-3 layout of MaxText's `fsdp` axis).
+  """
+  n = math.prod(mesh.shape.values())
+  if n == 1 or not shape:
+    return P()
+  order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+  for axis in order:
+    if shape[axis] % n == 0 and shape[axis] >= n:
+      spec = [None] * len(shape)
+      spec[axis] = tuple(mesh.axis_names)
+      return P(*spec)
+  return P()
+
+
+def fsdp_shardings(tree, mesh: Mesh):
+  """`NamedSharding`s of `fsdp_spec` for every array (or `ShapeDtypeStruct`) leaf of `tree`."""
+  return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), mesh)), tree)
+
+
+def param_shardings(state, mesh: Mesh):
+  """`NamedSharding`s of `param_spec` for every leaf of an NNX state (the target's, or a draft's at inference:
+  its blocks carry the target's names, so they split over 'model' the same way)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return nnx.from_flat_state([
+      (path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh))))
+      for path, var in nnx.to_flat_state(state)])
 
 
 def place_param(mesh: Mesh):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import layerwave
 from layerwave import sharding
@@ -65,3 +66,19 @@ def test_batch_not_divisible_by_data_axis_is_a_clear_error():
     shape = {"data": 4}
   with pytest.raises(ValueError, match="not divisible by the mesh's 'data' axis"):
     sharding.check_batch(FakeMesh(), 6)
+
+
+def test_fsdp_spec_splits_the_largest_divisible_axis_over_every_device():
+  mesh = AbstractMesh((2, 4), ("data", "model"))  # specs read only the axes' names and sizes
+  assert sharding.fsdp_spec((96, 32), mesh) == P(("data", "model"), None)
+  assert sharding.fsdp_spec((12, 64), mesh) == P(None, ("data", "model"))  # 12 is not a multiple of 8
+  assert sharding.fsdp_spec((7,), mesh) == P()
+  assert sharding.fsdp_spec((), mesh) == P()
+
+
+def test_embedding_and_lm_head_split_over_the_vocabulary():
+  mesh = AbstractMesh((1, 4), ("data", "model"))
+  assert sharding.param_spec(("embed_tokens", "embedding"), (128, 16), mesh) == P("model", None)
+  assert sharding.param_spec(("lm_head", "kernel"), (16, 128), mesh) == P(None, "model")
+  assert sharding.param_spec(("embed_tokens", "embedding"), (97, 16), mesh) == P()  # 97 does not split
+  assert sharding.param_spec(("layers", 0, "self_attn", "q_proj", "kernel"), (16, 32), mesh) == P(None, "model")

@@ -56,6 +56,7 @@ def run(config, workdir: str) -> dict:
                      "--config.analysis.bucket_widths=64,128,256 (max_length is always added), or () for "
                      "fixed-shape batches.")
   widths = tuple(w for w in widths if w < data_options.max_length)  # wider ones hold nothing max_length does not
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.check_processes_agree(config, "The analysis")
   mesh = sharding.make_mesh(config.mesh)

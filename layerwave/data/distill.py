@@ -296,6 +296,7 @@ def run(config, workdir: str) -> dict[str, Any]:
     raise ValueError("distill needs --workdir: the folder for the chunks, the dataset and manifest.json.")
   options = options_lib.from_section(DistillOptions, config.distill, "distill",
                                      chat_format=config.data.chat_format)
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.require_single_process("Distillation")
   mesh = sharding.make_mesh(config.mesh)

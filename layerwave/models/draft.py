@@ -252,7 +252,7 @@ class Draft(nnx.Module):
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n))
 
   def ttt_step(self, g: Array, tokens: Array, positions: Array, step: Array, base_kv, diag_kv,
-               key_mask: Array):
+               key_mask: Array, query_block: int | None = None):
     """One unrolled step of the training-time test over all positions at once.
 
     At step j a query at position t reads the step-0 keys at positions <= t (`base_kv`, computed at
@@ -266,6 +266,7 @@ class Draft(nnx.Module):
       base_kv: per draft layer `(k0, v0)` `[B, T, G, Dh]`, or None at step 0 (they are computed).
       diag_kv: per draft layer `(kd, vd)` `[K-1, B, T, G, Dh]` buffers (`ttt_init`).
       key_mask: `[B, T]` real (non-padding) positions.
+      query_block: attend `query_block` query rows at a time (`ttt_attend`), or all at once (None).
 
     Returns:
       (h `[B, T, d]`, logits `[B, T, V_d]`, base_kv, diag_kv).
@@ -297,7 +298,7 @@ class Draft(nnx.Module):
       kd = jnp.where(step > 0, kd.at[slot].set(k.astype(kd.dtype)), kd)
       vd = jnp.where(step > 0, vd.at[slot].set(v.astype(vd.dtype)), vd)
       diag_valid = jnp.arange(kd.shape[0]) < step  # steps 1..j
-      out = ttt_attend(q, k0, v0, causal, kd, vd, diag_valid)
+      out = ttt_attend(q, k0, v0, causal, kd, vd, diag_valid, query_block)
       out = attn.o_proj(out.reshape(b, t, -1))
       if i == 0:
         x = layer.finish(x, out)
@@ -309,16 +310,40 @@ class Draft(nnx.Module):
     return x, self.logits(x), tuple(new_base), tuple(new_diag)
 
 
-def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid):
+# Queries per block of the training-time-test attention on the memory-saving path (`train.remat`): the [B, H, T, T]
+# scores of one draft step (0.5 GiB a sequence at T 2048 with 32 heads, in float32) then exist one block of rows
+# at a time, each block recomputed in the backward pass (`jax.checkpoint`).
+TTT_QUERY_BLOCK = 512
+
+
+def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid, block: int | None = None):
   """Attention over causal step-0 keys plus same-position keys of earlier steps, one softmax.
+
+  Each query row's softmax is independent of the others', so with `block` set queries are taken `block` rows at
+  a time (`jax.lax.map`, each block rematerialised in the backward pass) when T is longer than `block` and a
+  multiple of it: the same values without the full [T, T] scores. Otherwise all rows form one block.
 
   Args:
     q: `[B, T, H, Dh]`; k0, v0: `[B, T, G, Dh]`; causal: `[B, T, T]`.
     kd, vd: `[K-1, B, T, G, Dh]` same-position keys/values of steps 1..K-1; diag_valid: `[K-1]`.
+    block: query rows per block (`TTT_QUERY_BLOCK`), or None for one block.
 
   Returns:
     `[B, T, H, Dh]`.
   """
+  t = q.shape[1]
+  if block is None or t <= block or t % block:
+    return _ttt_attend_block(q, k0, v0, causal, kd, vd, diag_valid)
+  n = t // block
+  rows = lambda x, axis: jnp.moveaxis(x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:]), axis, 0)  # noqa: E731
+  one = jax.checkpoint(lambda xs: _ttt_attend_block(xs[0], k0, v0, xs[1], xs[2], xs[3], diag_valid))
+  out = jax.lax.map(one, (rows(q, 1), rows(causal, 1), rows(kd, 2), rows(vd, 2)))  # [n, B, block, H, Dh]
+  return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def _ttt_attend_block(q, k0, v0, causal, kd, vd, diag_valid):
+  """`ttt_attend` for queries `[B, Tq, H, Dh]` (a block of rows) against every step-0 key: causal `[B, Tq, T]`,
+  kd / vd `[K-1, B, Tq, G, Dh]` the block's same-position keys."""
   b, t, h, dh = q.shape
   g = k0.shape[2]
   q = q.reshape(b, t, g, h // g, dh)  # r = H / G query heads per key/value head; j indexes steps
@@ -329,7 +354,8 @@ def ttt_attend(q, k0, v0, causal, kd, vd, diag_valid):
   sd = layers.einsum_low("btgrd,jbtgd->bgrtj", q, kd) * scale
   sd = jnp.where(diag_valid, sd, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)
-  p0, pd = probs[..., :t].astype(v0.dtype), probs[..., t:].astype(vd.dtype)
+  s = k0.shape[1]
+  p0, pd = probs[..., :s].astype(v0.dtype), probs[..., s:].astype(vd.dtype)
   out = (layers.einsum_low("bgrts,bsgd->btgrd", p0, v0)
          + layers.einsum_low("bgrtj,jbtgd->btgrd", pd, vd)).astype(v0.dtype)
   return out.reshape(b, t, h, dh)

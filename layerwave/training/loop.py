@@ -212,12 +212,16 @@ def init_head_from_target(draft: Draft, target: Target) -> None:
   draft.norm.scale[...] = tp["norm"]["scale"][...].astype(draft.norm.scale.dtype)
 
 
-def _replicate(tree, mesh):
+def _place(tree, shardings):
   if jax.process_count() > 1:
     # Across processes, device_put of a process-local jax.Array can build an array whose shards are not one
     # per device (orbax cannot save it); the same value from host memory places cleanly on every process.
     tree = jax.tree.map(np.asarray, tree)
-  return jax.device_put(tree, sharding.replicated(mesh))
+  return jax.device_put(tree, shardings)
+
+
+def _replicate(tree, mesh):
+  return _place(tree, sharding.replicated(mesh))
 
 
 def _evaluate(batches, eval_batches: int, eval_fn) -> dict:
@@ -292,6 +296,7 @@ def run(config, workdir: str) -> dict[str, Any]:
   """
   recipe = Recipe.from_config(config)
   metrics_lib.quiet_library_logs()
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.check_processes_agree(config, "Draft training")
   mesh = sharding.make_mesh(config.mesh)
@@ -396,13 +401,14 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
       logging.warning("No checkpoint in %s: continuing the run released as %s from its step %d (data position "
                       "%s), its bfloat16-rounded weights in float32 and fresh AdamW moments.", workdir, released,
                       int(continued["step"]), position)
-    state = _replicate(state, mesh)
+    state = _place(state, step_lib.state_shardings(state, mesh))  # split over every device (FSDP)
     vocab = _replicate(vocab, mesh)
   else:
     state, vocab, meta = restore.restore_state(ckpt, params, vocab, mesh, latest, optimizer)
     position = data_lib.Position.from_dict(meta["data_position"])
     logging.info("Resumed from step %d (data position %s).", int(state.step), position)
-  embed = _replicate(embed, mesh)
+  # The target's embedding where the target keeps it (split over the vocabulary on a 'model' axis): the draft
+  # reads rows of it, and a replicated copy would cost every chip the whole [V, D] matrix.
   base_meta = {"config_fingerprint": fingerprint, "settings": settings, "schedule_steps": t.schedule_length,
                "draft_config": draft.config.to_dict(),
                "selection": record.to_dict(), "dataset": dataset_name,
@@ -444,7 +450,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     forward = with_dtype(target, t.target_dtype) if t.target_dtype else target
     train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
         state, vocab, embed, forward.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=forward.graphdef, optimizer=optimizer, **t.train_kwargs)
+        target_graphdef=forward.graphdef, optimizer=optimizer, mesh=mesh, **t.train_kwargs)
     eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
         state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
@@ -458,7 +464,7 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     it = features_lib.FeatureBatchIterator(train_source, slots, **train_iterate)
     train_fn = lambda state, batch: step_lib.train_step_offline(  # noqa: E731
         state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
-        optimizer=optimizer, **t.train_kwargs)
+        optimizer=optimizer, mesh=mesh, **t.train_kwargs)
     eval_batches = lambda: features_lib.FeatureBatchIterator(heldout, slots, **heldout_batches)  # noqa: E731
     eval_fn = lambda state, batch: step_lib.eval_step_offline(  # noqa: E731
         state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from layerwave.inference import LOGITS_CHUNK, over_positions
-from layerwave.models.draft import Draft
+from layerwave.models.draft import TTT_QUERY_BLOCK, Draft
 
 
 def argmax(x: jax.Array, block: int = 1024) -> jax.Array:
@@ -114,7 +114,7 @@ def _shift(x: jax.Array, by: jax.Array, length: int) -> jax.Array:
 
 def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab: jax.Array,
              tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *, steps: int,
-             decay: float = 0.8):
+             decay: float = 0.8, remat: bool = False):
   """Unrolled TTT loss.
 
   Args:
@@ -128,6 +128,10 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
     loss_mask: `[B, T]` 1 on tokens the loss may predict (assistant tokens, or every real token).
     steps: K, the unrolled steps (static).
     decay: weight of step j is decay**j.
+    remat: the memory-saving path for long sequences: every unrolled step is rematerialised in the backward pass
+      (`jax.checkpoint`), so only what crosses steps is kept, not each step's attention scores and [B, T, V_d]
+      logits, and the attention takes `draft.TTT_QUERY_BLOCK` query rows at a time. The same loss; gradients
+      equal to float rounding (XLA fuses the recomputation differently).
 
   Returns:
     (scalar loss, metrics dict of per-step arrays `[K]`: `loss_j`; `acc_j` = `hits_j / tokens_j`, top-1
@@ -162,14 +166,22 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
   g = draft.fuse(features)
   diag = draft.ttt_init(tokens.shape[0], t, steps, dtype=g.dtype)
   zero = jnp.asarray(0, jnp.int32)
-  h, logits, base, diag = draft.ttt_step(g, _shift(tokens_p, 1, t), positions, zero, None, diag,
-                                         key_mask)
-  loss0, counts0 = step_terms(zero, logits)
 
+  block = TTT_QUERY_BLOCK if remat else None
+  maybe_remat = jax.checkpoint if remat else (lambda f: f)
+
+  @maybe_remat
+  def first(g, diag):
+    h, logits, base, diag = draft.ttt_step(g, _shift(tokens_p, 1, t), positions, zero, None, diag, key_mask, block)
+    return h, base, diag, step_terms(zero, logits)
+
+  h, base, diag, (loss0, counts0) = first(g, diag)
+
+  @maybe_remat
   def body(carry, j):
     h, diag = carry
     h, logits, _, diag = draft.ttt_step(h, _shift(tokens_p, j + 1, t), positions + j, j, base,
-                                        diag, key_mask)
+                                        diag, key_mask, block)
     return (h, diag), step_terms(j, logits)
 
   if steps > 1:

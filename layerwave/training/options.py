@@ -97,6 +97,9 @@ class TrainOptions:
       step, data position and learning rate, with its bfloat16-rounded weights in float32 and fresh AdamW
       moments (the only difference from an exact resume; its first updates are bias-corrected like a fresh
       start's). A release of another recipe, target, layers or store is refused; a checkpoint in `W` wins.
+    remat: the memory-saving path for long sequences at scale (`losses.ttt_loss`): each unrolled step
+      rematerialised in the backward pass and the draft's attention in blocks of query rows. The same losses,
+      gradients to float rounding; off by default, so CPU runs keep their exact numbers.
     bucket_widths: length buckets (`data.BatchIterator`'s `widths`): each batch holds about batch_size *
       data.max_length token slots, as [floor(batch_size * max_length / w), w] for the smallest width w >= its
       sequences' lengths, so short sequences stop paying for padding; () = every batch [batch_size,
@@ -115,7 +118,7 @@ class TrainOptions:
 
   # Fields added after runs were recorded: they enter a run's (or sweep's) settings only when set, so that a
   # run recorded before them still resumes (`drop_unset_later`).
-  LATER: ClassVar[tuple[str, ...]] = ("max_sequences", "extra_features", "target_dtype")
+  LATER: ClassVar[tuple[str, ...]] = ("max_sequences", "extra_features", "target_dtype", "remat")
 
   batch_size: int
   num_steps: int
@@ -146,6 +149,7 @@ class TrainOptions:
   compute_dtype: str = "float32"
   target_dtype: str = ""
   init_from: str = ""
+  remat: bool = False
 
   def __post_init__(self):
     for name in ("batch_size", "num_steps", "ttt_steps", "log_every", "eval_every", "eval_batches",
@@ -216,8 +220,8 @@ class TrainOptions:
 
   @property
   def train_kwargs(self) -> dict:
-    """`train_step`'s: the loss settings and the compute dtype."""
-    return dict(self.loss_kwargs, compute_dtype=self.compute_dtype)
+    """`train_step`'s: the loss settings, the compute dtype and the memory-saving path."""
+    return dict(self.loss_kwargs, compute_dtype=self.compute_dtype, remat=self.remat)
 
   @property
   def eval_loss_kwargs(self) -> dict:

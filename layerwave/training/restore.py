@@ -8,7 +8,7 @@ and nothing about checkpoints, so the imports run one way: `eagle3`, `export` â†
 `training.loop`.
 
 The restore target is built once (`abstract_state`): the `TrainState` and vocabulary shapes of a draft,
-carrying replicated shardings on the current mesh, as orbax restores into them.
+carrying the shardings training uses on the current mesh, as orbax restores into them.
 """
 
 from __future__ import annotations
@@ -52,11 +52,13 @@ def checkpoint_dir(path: str) -> str:
 
 
 def abstract_state(params, vocab, mesh, optimizer: step_lib.OptimizerSettings = _STRUCTURE_ONLY):
-  """(TrainState, vocabulary) as `jax.ShapeDtypeStruct`s replicated on `mesh`: the restore target."""
+  """(TrainState, vocabulary) as `jax.ShapeDtypeStruct`s on `mesh`: the restore target. The state is split as
+  training places it (`step.state_shardings`), the vocabulary tables replicated."""
   rep = sharding.replicated(mesh)
-  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)  # noqa: E731
   state = jax.eval_shape(lambda p: step_lib.init_state(p, optimizer), params)
-  return jax.tree.map(spec, state), jax.tree.map(spec, vocab)
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  return (jax.tree.map(placed, state, step_lib.state_shardings(state, mesh)),
+          jax.tree.map(lambda x: placed(x, rep), vocab))
 
 
 def restore_state(ckpt: ckpt_lib.Checkpointer, params, vocab, mesh, step: int | None = None,

@@ -31,7 +31,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from layerwave import sharding
 from layerwave.models.draft import Draft, Frozen, VocabMap
 from layerwave.models.kv_cache import causal_mask
 from layerwave.training import losses
@@ -102,6 +104,18 @@ def _head_labels(params):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
+def state_shardings(tree, mesh):
+  """Where the draft's training arrays live: every leaf split over all the mesh's devices (`sharding.fsdp_spec`).
+
+  The draft's parameters and AdamW moments are the largest arrays training owns (4.75 GiB for an 8B target's
+  draft in float32); split over N chips each holds 1/N and XLA gathers a weight where the step reads it. On
+  one device this is plain replication. Vocabulary tables and scalars too small to split stay replicated.
+  The training loop places the state with it, the restore target carries it, and `layerwave.aot` compiles
+  with it.
+  """
+  return sharding.fsdp_shardings(tree, mesh)
+
+
 def init_state(params, optimizer: OptimizerSettings) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.build().init(params))
@@ -133,22 +147,46 @@ def _compute_inputs(features, embed, compute_dtype: str):
   return features.astype(dtype), jax.tree.map(lambda x: x.astype(dtype), embed)
 
 
+def spread_batch(mesh, *trees, axis: int = 0):
+  """The draft's inputs with their batch axis split over every device of `mesh`, not only over `'data'`.
+
+  On a mesh with a `'model'` axis (the target split over chips) the batch arrives split over `'data'` alone,
+  and every chip of a model group would run the same draft step on the same rows, each holding all of their
+  activations. The draft is small and its state already split over every device (`state_shardings`), so its
+  step runs data-parallel over all of them instead. A batch the device count does not divide, one device, or
+  no mesh: unchanged. Each tree's leaves have their batch at `axis` (the features' batch is axis 1).
+  """
+  n = 1 if mesh is None else mesh.devices.size
+  out = []
+  for tree in trees:
+    def put(x):
+      if n == 1 or x.ndim <= axis or x.shape[axis] % n:
+        return x
+      parts = [None] * x.ndim
+      parts[axis] = tuple(mesh.axis_names)
+      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*parts)))
+    out.append(jax.tree.map(put, tree))
+  return out[0] if len(out) == 1 else tuple(out)
+
+
 def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch, steps,
-             decay, assistant_only, compute_dtype="float32"):
+             decay, assistant_only, compute_dtype="float32", remat=False, mesh=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
   target = nnx.merge(target_graphdef, target_params)
   positions = jnp.maximum(jnp.cumsum(attn, axis=-1) - 1, 0)
   layer_ids = nnx.merge(draft_graphdef, params, vocab, embed).config.layer_ids
   out = target(tokens, positions, causal_mask(attn), return_hidden_states=True, hidden_layers=layer_ids,
-               compute_logits=False)
+               compute_logits=False, valid=attn)
   features, draft_embed = _compute_inputs(jax.lax.stop_gradient(out.hidden_states), embed, compute_dtype)
   draft = nnx.merge(draft_graphdef, params, vocab, draft_embed)
   final = jax.lax.stop_gradient(out.last_hidden).astype(jnp.float32)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
   # The offline step's targets, from the fields a feature store would hold (one path: offline == online).
   logp, in_vocab = losses.online_targets(target, final, draft)
+  features = spread_batch(mesh, features, axis=1)
+  logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
   return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay)
+                         decay=decay, remat=remat)
 
 
 def _metrics(loss, aux):
@@ -160,7 +198,7 @@ def _metrics(loss, aux):
 
 
 def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only,
-                     compute_dtype="float32"):
+                     compute_dtype="float32", remat=False, mesh=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
   # Stored features may be bfloat16 on the host and in transfer; the draft reads them in its compute dtype.
   features, embed = _compute_inputs(batch["features"], embed, compute_dtype)
@@ -168,8 +206,10 @@ def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, ste
   logp, in_vocab = losses.offline_targets(batch["final"].astype(jnp.float32), head_rows, batch["argmax"],
                                           draft)
   loss_mask = batch["assistant_mask"] if assistant_only else attn
+  features = spread_batch(mesh, features, axis=1)
+  logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
   return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay)
+                         decay=decay, remat=remat)
 
 
 def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
@@ -182,28 +222,32 @@ def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
 
 
 TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only",
-                     "compute_dtype")
-TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only", "compute_dtype")
+                     "compute_dtype", "remat", "mesh")
+TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only", "compute_dtype",
+                             "remat", "mesh")
 
 
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
 def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_graphdef,
                target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only,
-               compute_dtype: str = "float32"):
+               compute_dtype: str = "float32", remat: bool = False, mesh=None):
   """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's).
 
   `compute_dtype` ("float32" or "bfloat16", `COMPUTE_DTYPES`): the draft's forward and backward passes; the
-  parameters and optimizer state stay float32 (`_compute_inputs`).
+  parameters and optimizer state stay float32 (`_compute_inputs`). `remat`: the memory-saving path for long
+  sequences (`losses.ttt_loss`). `mesh`: the training mesh; the draft's part of the step then runs with its batch
+  over every device (`spread_batch`).
   """
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
-                               target_params, batch, steps, decay, assistant_only, compute_dtype)
+                               target_params, batch, steps, decay, assistant_only, compute_dtype, remat, mesh)
   return _update(state, optimizer, loss, aux, grads)
 
 
 @functools.partial(jax.jit, static_argnames=TRAIN_STEP_OFFLINE_STATIC, donate_argnames=("state",))
 def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, draft_graphdef,
-                       optimizer: OptimizerSettings, steps, decay, assistant_only, compute_dtype: str = "float32"):
+                       optimizer: OptimizerSettings, steps, decay, assistant_only, compute_dtype: str = "float32",
+                       remat: bool = False, mesh=None):
   """One optimisation step from stored features (no target). Returns `(new_state, metrics)` (as `train_step`'s).
 
   Args:
@@ -211,11 +255,11 @@ def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, dra
     head_rows: `[D, V_d]` the target's LM head restricted to the draft vocabulary.
     batch: `input_ids`, `attention_mask`, `assistant_mask` `[B, T]`; `features` `[k, B, T, D]` (the draft's
       layers, any float dtype); `final` `[B, T, D]` h_L; `argmax` `[B, T]` int32 (a `FeatureBatch`).
-    draft_graphdef, optimizer, steps, decay, assistant_only, compute_dtype: as `train_step`.
+    draft_graphdef, optimizer, steps, decay, assistant_only, compute_dtype, remat, mesh: as `train_step`.
   """
   grad_fn = jax.value_and_grad(_offline_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
-                               assistant_only, compute_dtype)
+                               assistant_only, compute_dtype, remat, mesh)
   return _update(state, optimizer, loss, aux, grads)
 
 

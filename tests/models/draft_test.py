@@ -54,6 +54,30 @@ def test_ttt_attention_equals_explicit_mask():
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_ttt_attention_in_query_blocks_equals_one_block():
+  rng = np.random.default_rng(3)
+  n, b, t, h, kv, dh = 3, 2, 16, 4, 2, 8
+  q = jnp.asarray(rng.normal(size=(b, t, h, dh)), jnp.float32)
+  k0, v0 = (jnp.asarray(rng.normal(size=(b, t, kv, dh)), jnp.float32) for _ in range(2))
+  kd, vd = (jnp.asarray(rng.normal(size=(n - 1, b, t, kv, dh)), jnp.float32) for _ in range(2))
+  valid = jnp.asarray([[1] * t, [1] * 11 + [0] * 5], bool)
+  causal = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+  diag = jnp.arange(n - 1) < 2
+
+  def loss(q, k0, v0, kd, vd, block):
+    return jnp.sum(jnp.sin(ttt_attend(q, k0, v0, causal, kd, vd, diag, block)))
+
+  whole = ttt_attend(q, k0, v0, causal, kd, vd, diag)
+  for block in (4, 8):
+    np.testing.assert_allclose(ttt_attend(q, k0, v0, causal, kd, vd, diag, block), whole, atol=1e-6)
+    got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k0, v0, kd, vd, block)
+    want = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k0, v0, kd, vd, None)
+    for a, w in zip(got, want):
+      np.testing.assert_allclose(a, w, atol=1e-5)
+  # A length the block does not divide runs as one block.
+  np.testing.assert_array_equal(ttt_attend(q, k0, v0, causal, kd, vd, diag, 5), whole)
+
+
 def test_ttt_step_zero_equals_cached_decoding():
   draft = _draft()
   rng = np.random.default_rng(1)

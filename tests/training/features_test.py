@@ -136,12 +136,12 @@ def test_extraction_top1_in_blocks_of_positions_is_the_full_logits_argmax(target
   expected = np.argmax(logits, -1)
   np.testing.assert_array_equal(losses.argmax(jnp.asarray(logits)), expected)
   for chunk in (7, 64, inference.LOGITS_CHUNK):
-    fn = extraction._forward(target.mesh, target.graphdef, LAYERS, jnp.float32, chunk)
+    fn = extraction.forward_step(target.mesh, target.graphdef, LAYERS, jnp.float32, chunk)
     _, final, top1 = fn(target.params, tokens, mask)
     assert top1.dtype == jnp.int32 and top1.shape == tokens.shape
     np.testing.assert_array_equal(top1, expected)
   v = target.config.vocab_size
-  text = extraction._forward(target.mesh, target.graphdef, LAYERS, jnp.float32, 32).lower(
+  text = extraction.forward_step(target.mesh, target.graphdef, LAYERS, jnp.float32, 32).lower(
       target.params, tokens, mask).as_text()
   assert f"32x{v}x" in text and f"4x64x{v}x" not in text and f"256x{v}x" not in text
 

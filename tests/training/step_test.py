@@ -31,14 +31,15 @@ def make_peaky_target(directory):
   return layerwave.load_target(directory)
 
 
-def setup(target, batch_size=4, t=16, seed=0):
+def setup(target, batch_size=4, t=16, seed=0, fsdp=False):
   cfg = DraftConfig.from_target(target.config, (1, 2, 3), draft_vocab_size=97)
   draft = Draft(cfg, embedding=target.params["embed_tokens"]["embedding"][...],
                 rngs=nnx.Rngs(seed))
   graphdef, params, vocab, embed = step_lib.split_draft(draft)
   optimizer = step_lib.OptimizerSettings(3e-3, 5, 400)
   rep = sharding.replicated(target.mesh)
-  state = jax.device_put(step_lib.init_state(params, optimizer), rep)
+  state = step_lib.init_state(params, optimizer)
+  state = jax.device_put(state, step_lib.state_shardings(state, target.mesh) if fsdp else rep)
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   rng = np.random.default_rng(seed)
   batch = {"input_ids": rng.integers(3, 97, (batch_size, t)).astype(np.int32),
@@ -83,13 +84,25 @@ def test_sim_tau_is_per_batch_in_training_and_left_to_the_pooled_evaluation(tmp_
 SCRIPT = """
     import numpy as np
     from tests.training import step_test
+    from layerwave import sharding
     from layerwave.training import step as step_lib
     target = layerwave.load_target(ARGS[0])
     state, vocab, embed, batch, kw = step_test.setup(target, batch_size=8)
     for _ in range(3):
       state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
     leaves = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]
-    write_result({"params": leaves, "loss": float(m["loss"])})
+    # The scale layout: the target split over 'model', the draft's state over all 8 devices (FSDP), its step's
+    # batch spread over every device, steps rematerialised.
+    mesh = sharding.make_mesh((("data", 2), ("model", 4)))
+    split = layerwave.load_target(ARGS[0], mesh=mesh)
+    state, vocab, embed, batch, kw = step_test.setup(split, batch_size=8, fsdp=True)
+    for _ in range(3):
+      state, m2 = step_lib.train_step(state, vocab, embed, split.params, batch, remat=True, mesh=mesh, **kw)
+    fc = state.params["fc"]["kernel"][...]
+    write_result({"params": leaves, "loss": float(m["loss"]), "fsdp_loss": float(m2["loss"]),
+                  "fsdp_params": [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)],
+                  "fc_spec": [list(a) if isinstance(a, tuple) else a for a in fc.sharding.spec],
+                  "fc_shard_rows": fc.addressable_shards[0].data.shape[0]})
 """
 
 
@@ -102,6 +115,28 @@ def test_eight_devices_equal_one(tmp_path):
   assert abs(got["loss"] - float(m["loss"])) < 1e-4
   for a, b in zip(got["params"], jax.tree.leaves(state.params)):
     np.testing.assert_allclose(a, b, atol=2e-5)
+  # FSDP state + spread batch + remat on (data 2, model 4) follows the one-device step too, and the state stays
+  # split over every device after the update.
+  assert abs(got["fsdp_loss"] - float(m["loss"])) < 1e-4
+  for a, b in zip(got["fsdp_params"], jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  assert ["data", "model"] in got["fc_spec"]  # the fc kernel [3 * D, D] split over all 8 devices
+  assert got["fc_shard_rows"] in (3 * 32 // 8, 3 * 32)
+
+
+def test_remat_keeps_the_loss_and_the_gradients_to_rounding(tmp_path):
+  target = make_peaky_target(str(tmp_path))
+  state, vocab, embed, batch, kw = setup(target)
+  kw = {k: v for k, v in kw.items() if k not in ("optimizer",)}
+  fn = jax.jit(jax.value_and_grad(step_lib._loss_fn, has_aux=True),  # pylint: disable=protected-access
+               static_argnums=(1, 4, 7, 8, 9, 10, 11))
+  args = (state.params, kw["draft_graphdef"], vocab, embed, kw["target_graphdef"], target.params, batch, 3, 0.8,
+          True, "float32")
+  (loss, _), grads = fn(*args, False)
+  (loss_r, _), grads_r = fn(*args, True)
+  assert float(loss_r) == float(loss)
+  for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_freeze_head_leaves_the_lm_head_and_trains_the_rest(tmp_path):

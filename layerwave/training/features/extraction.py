@@ -122,7 +122,7 @@ def target_dtype_name(target: Target) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype, chunk: int = LOGITS_CHUNK) -> Any:
+def forward_step(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype, chunk: int = LOGITS_CHUNK) -> Any:
   """The jitted extraction forward for one mesh / depth set: (hidden, final, argmax), batch over 'data'.
 
   The argmax comes from the final states `chunk` positions at a time (never the [B, T, V] logits).
@@ -132,7 +132,7 @@ def _forward(mesh: Mesh, graphdef, hidden_layers: tuple[int, ...], dtype, chunk:
   def fn(params, tokens, mask):
     model = nnx.merge(graphdef, params)
     out = model(tokens, positions_from_mask(mask), causal_mask(mask), return_hidden_states=bool(hidden_layers),
-                hidden_layers=hidden_layers or None, compute_logits=False)
+                hidden_layers=hidden_layers or None, compute_logits=False, valid=mask)
     b, t = tokens.shape
     hidden = (out.hidden_states.astype(dtype) if hidden_layers else
               jnp.zeros((0, b, t, out.last_hidden.shape[-1]), dtype))
@@ -333,7 +333,7 @@ def extract(target: Target, dataset: tfds_builders.ChatDataset, out_dir: str, *,
   forwards = {}
   for t in runs.values():
     if id(t) not in forwards:
-      forwards[id(t)] = (t, _forward(t.mesh, t.graphdef, tuple(header["stored_depths"]), store_dtype))
+      forwards[id(t)] = (t, forward_step(t.mesh, t.graphdef, tuple(header["stored_depths"]), store_dtype))
   rows = NamedSharding(target.mesh, P("data"))
   pad_id = int(target.tokenizer.pad_token_id or 0)
   seq_len = header["seq_len"]
@@ -463,6 +463,7 @@ def run(config) -> dict[str, Any]:
   data = options_lib.from_section(DataOptions, config.data, "data")
   if not opts.dir:
     raise ValueError("Give the store's directory: --config.features.dir=DIR.")
+  sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.check_processes_agree(config, "Feature extraction")
   mesh = sharding.make_mesh(config.mesh)
