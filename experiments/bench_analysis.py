@@ -17,7 +17,6 @@ a markdown table.
 import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
-import functools
 import json
 import os
 
@@ -59,8 +58,7 @@ def main(argv):
   its = {mode: data_lib.BatchIterator(source, batch_size=b, seq_len=t, pad_id=pad_id, seed=0, widths=w)
          for mode, w in (("fixed", ()), ("bucketed", widths))}
   options = collect.options_from_config(config.analysis)
-  step_fn = jax.jit(functools.partial(collect.stats_step, target.graphdef, options=options), donate_argnums=(1,),
-                    out_shardings=sharding.replicated(mesh))
+  step_fn = collect.stats_step_jit(target.graphdef, target.config, options, mesh)
   states = {m: collect.init_state(target, options, mesh) for m in its}
   threshold = np.float32(1.0)  # any cut: the work does not depend on it
 

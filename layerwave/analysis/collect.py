@@ -19,9 +19,14 @@ first `calibration_batches` batches, and `token_filter.percentile_threshold` tur
 entropies into an absolute threshold that the statistics pass then applies to every batch (the calibration
 batches are processed again). The kept fraction over the whole stream is reported, and sits near 1 − q/100.
 
-Data parallelism: the batch is sharded over the mesh's 'data' axis and the accumulators are replicated
-(`out_shardings`); XLA's partitioner inserts the cross-device reductions of every sum, so any number of devices
-computes the same statistics as one (minibatches for HSIC are cut from the global batch, not per device).
+Devices: the batch is sharded over the mesh's 'data' axis (the target's own layout splits its weights over
+'model'). The accumulators are split over every device of the mesh along the layer axis (`state_shardings`;
+L+1 padded up to a multiple of the device count with dummy layers that `finalize` drops): each chip keeps
+1/N of the [L+1, D, D] second moments and computes the per-layer statistics of its own layers only
+(`stats.update_many` under `jax.shard_map`). Every device derives the same token order and subsample from the
+same key, so any number of devices computes the statistics of one (minibatches for HSIC are cut from the
+global batch, not per device). `state_shardings(config, options, mesh)` is the layout the launcher and an
+ahead-of-time compile (experiments/aot_analysis_probe.py) both use.
 
 Length buckets: the batches may come in a few shapes (`BatchIterator`'s `widths`, `analysis.bucket_widths`):
 [B·T/w, w] for a few widths w, so short sequences are not padded to T. Every statistic is a sum over
@@ -32,7 +37,10 @@ compiles once per shape (at most `MAX_SHAPES`).
 
 Stability: with `halves=True`, even and odd batches (of each shape) feed two separate accumulator sets (the same
 total work); the full-data statistics are their `stats.merge`, and the halves are returned for the agreement
-report.
+report. Its cost is memory: a second resident state (`state_bytes`). For Llama-3.1-8B (D = 4096) with the
+matched control and a 2,048-token subsample one state is 5.2 GiB of float32 (two [33, D, D] second moments and
+a [33, 2048, D] subsample); split over 8 chips (33 layers padded to 40) it is 0.78 GiB per chip, so the halves
+cost 0.78 GiB more per chip. `halves=False` (`analysis.stability`) drops it and the agreement report.
 
 Legend (`layerwave.axes`): B batch, T tokens, L target layers, D target width, V target vocabulary.
 """
@@ -52,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from layerwave import inference
 from layerwave import options as options_lib
@@ -60,8 +69,8 @@ from layerwave.analysis import entropy as entropy_lib
 from layerwave.analysis import stats as stats_lib
 from layerwave.analysis import token_filter
 
-__all__ = ["CollectOptions", "CollectResult", "collect_stats", "init_state", "options_from_config", "stats_step",
-           "update_from_entropy", "update_from_outputs"]
+__all__ = ["CollectOptions", "CollectResult", "collect_stats", "empty_state", "init_state", "options_from_config",
+           "state_bytes", "state_shardings", "stats_step", "update_from_entropy", "update_from_outputs"]
 
 _FILTER_MODES = ("percentile", "threshold")
 _UNFILTERED = ("matched", "all", "none")
@@ -90,7 +99,8 @@ class CollectOptions:
       (matrix entropy grows with log n; a same-size control isolates *which* tokens the filter keeps, and
       costs the same as the filtered side); "all" — every eligible token (about 4× the eigendecomposition
       cost at q = 50); "none".
-    halves: accumulate even and odd batches separately (stability report).
+    halves: accumulate even and odd batches separately (stability report). Doubles the resident accumulator
+      state (see the module's Stability paragraph and `state_bytes`); turn it off when memory is short.
     num_batches: stop after this many batches (0 = until the iterator ends or `max_tokens`).
     max_tokens: stop once this many eligible tokens have been read (0 = no limit).
     seed: PRNG seed of the HSIC minibatch shuffle and the exact-CKA subsample.
@@ -213,7 +223,7 @@ def _matched(eligible, keep, key):
 
 
 def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, threshold, index, *,
-               options: CollectOptions):
+               options: CollectOptions, mesh=None):
   """One batch: forward → token entropy → filter → both accumulators (pure; jit once per stream, donating).
 
   Args:
@@ -223,6 +233,7 @@ def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, 
     threshold: float32 scalar, the entropy cut in nats.
     index: int32 scalar, the batch number (PRNG stream for HSIC shuffles and the exact-CKA subsample).
     options: static settings.
+    mesh: the mesh the state's layers are split over (`state_shardings`), or None (every layer here).
 
   Returns:
     The updated state.
@@ -232,33 +243,36 @@ def stats_step(graphdef, params, state, tokens, attention_mask, assistant_mask, 
   model = nnx.merge(graphdef, params)
   entropy = token_filter.entropy_from_hidden(out.last_hidden, model.logits, options.temperature)
   return update_from_entropy(state, out.hidden_states, entropy, model.config.vocab_size, attention_mask,
-                             assistant_mask, threshold, index, options=options)
+                             assistant_mask, threshold, index, options=options, mesh=mesh)
 
 
 def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, threshold, index, *,
-                        options: CollectOptions):
+                        options: CollectOptions, mesh=None):
   """The statistics half of `stats_step`, from target outputs (hidden [L+1, B, T, D], logits [B, T, V]).
 
   Args and returns as `stats_step`; used alone by experiments/bench_stats.py (statistics without the forward).
   """
   entropy = token_filter.token_entropy(logits, options.temperature)  # [B, T]
   return update_from_entropy(state, hidden, entropy, logits.shape[-1], attention_mask, assistant_mask, threshold,
-                             index, options=options)
+                             index, options=options, mesh=mesh)
 
 
 def update_from_entropy(state, hidden, entropy, vocab_size: int, attention_mask, assistant_mask, threshold, index,
-                        *, options: CollectOptions):
+                        *, options: CollectOptions, mesh=None):
   """`update_from_outputs` from the token entropy [B, T] (nats) instead of the logits; V sizes the histogram."""
   eligible = _eligible(attention_mask, assistant_mask, options.assistant_only)
   finite = jnp.isfinite(entropy)
   keep = eligible & finite & (entropy >= threshold)
   key_f, key_u = jax.random.split(jax.random.fold_in(jax.random.key(options.seed), index))
   new = dict(state)
-  new["filtered"] = stats_lib.update(state["filtered"], hidden, keep, key_f)
+  kinds, masks, keys = ["filtered"], [keep], [key_f]
   if "unfiltered" in state:
     key_u, key_m = jax.random.split(key_u)
-    control = _matched(eligible, keep, key_m) if options.unfiltered == "matched" else eligible
-    new["unfiltered"] = stats_lib.update(state["unfiltered"], hidden, control, key_u)
+    kinds.append("unfiltered")
+    masks.append(_matched(eligible, keep, key_m) if options.unfiltered == "matched" else eligible)
+    keys.append(key_u)
+  # Both accumulators from one move of the layers to their devices.
+  new.update(zip(kinds, stats_lib.update_many([state[k] for k in kinds], hidden, masks, keys, mesh=mesh)))
   t = state["tokens"]
   top = math.log(vocab_size)
   h = jnp.where(finite, entropy, 0.0)
@@ -280,15 +294,61 @@ def update_from_entropy(state, hidden, entropy, vocab_size: int, attention_mask,
 # The driver.
 
 
-def init_state(target, options: CollectOptions, mesh) -> dict:
-  """Empty replicated state for `stats_step`: both accumulators and the token counters."""
-  cfg = target.config
-  make = functools.partial(stats_lib.init, cfg.num_layers + 1, cfg.hidden_size, alpha=options.alpha,
-                           normalize=options.normalize, hsic_batch_size=options.hsic_batch_size)
-  state = {"filtered": make(buffer_size=options.exact_cka_tokens), "tokens": _token_state(cfg.num_layers + 1)}
+def empty_state(config, options: CollectOptions, mesh=None) -> dict:
+  """The empty state of `stats_step` (pure: `jax.eval_shape` gives its shapes): both accumulators, their layer
+  axis padded for `mesh` (`stats.init(..., shards=)`), and the token counters.
+
+  Args:
+    config: the target's `ModelConfig` (L, D).
+    options: the collection settings.
+    mesh: the mesh the layers will be split over, or None.
+  """
+  make = functools.partial(stats_lib.init, config.num_layers + 1, config.hidden_size, alpha=options.alpha,
+                           normalize=options.normalize, hsic_batch_size=options.hsic_batch_size,
+                           shards=1 if mesh is None else mesh.devices.size)
+  state = {"filtered": make(buffer_size=options.exact_cka_tokens), "tokens": _token_state(config.num_layers + 1)}
   if options.unfiltered != "none":
     state["unfiltered"] = make(buffer_size=0)
-  return jax.device_put(state, sharding.replicated(mesh))
+  return state
+
+
+def state_shardings(config, options: CollectOptions, mesh) -> dict:
+  """Where `empty_state(config, options, mesh)` lives: each accumulator's layer axis split over every device of
+  the mesh (`stats.partition_specs`), the token counters replicated. A pytree of `NamedSharding`s, the
+  in / out shardings of `stats_step` (the launcher's and an ahead-of-time compile's)."""
+  shapes = jax.eval_shape(lambda: empty_state(config, options, mesh))
+  axes = tuple(mesh.axis_names)
+  out = {"tokens": jax.tree.map(lambda _: sharding.replicated(mesh), shapes["tokens"])}
+  for kind in ("filtered", "unfiltered"):
+    if kind in shapes:
+      out[kind] = jax.tree.map(lambda spec: NamedSharding(mesh, spec), stats_lib.partition_specs(shapes[kind], axes))
+  return out
+
+
+def state_bytes(config, options: CollectOptions, mesh) -> tuple[int, int]:
+  """(bytes of one state in all, bytes of it per device) under `state_shardings`; `halves` keeps two."""
+  shapes = jax.eval_shape(lambda: empty_state(config, options, mesh))
+  total = per_device = 0
+  for leaf, where in zip(jax.tree.leaves(shapes), jax.tree.leaves(state_shardings(config, options, mesh))):
+    size = jnp.dtype(leaf.dtype).itemsize
+    total += math.prod(leaf.shape) * size
+    per_device += math.prod(where.shard_shape(leaf.shape)) * size
+  return total, per_device
+
+
+def stats_step_jit(graphdef, config, options: CollectOptions, mesh):
+  """`stats_step` jitted as `collect_stats` runs it: the state donated and kept split as `state_shardings` says.
+  The one jit of the analysis step, which `layerwave.aot` compiles for TPU topologies too (`config`: the
+  target's `ModelConfig`)."""
+  return jax.jit(functools.partial(stats_step, graphdef, options=options, mesh=mesh), donate_argnums=(1,),
+                 out_shardings=state_shardings(config, options, mesh))
+
+
+def init_state(target, options: CollectOptions, mesh) -> dict:
+  """Empty state for `stats_step`, made in place on the mesh under `state_shardings`."""
+  make = jax.jit(lambda: empty_state(target.config, options, mesh),
+                 out_shardings=state_shardings(target.config, options, mesh))
+  return make()
 
 
 def _put_batch(batch, mesh):
@@ -357,8 +417,7 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
     threshold = _calibrate(target, calibration, options, mesh)
     stream = itertools.chain(calibration, stream)
 
-  step = jax.jit(functools.partial(stats_step, target.graphdef, options=options), donate_argnums=(1,),
-                 out_shardings=sharding.replicated(mesh))
+  step = stats_step_jit(target.graphdef, target.config, options, mesh)
   num_halves = 2 if options.halves else 1
   states = [init_state(target, options, mesh) for _ in range(num_halves)]
   threshold_arr = np.float32(threshold)
@@ -406,7 +465,7 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
     raise ValueError("collect_stats got no batch: the data source is empty (check the dataset split)")
   jax.block_until_ready(states)
   seconds = time.perf_counter() - start - compile_seconds if num_batches > len(shapes) else float("nan")
-  return _finish(states, threshold, options, num_batches, shapes, seconds, target.config.vocab_size)
+  return _finish(states, threshold, options, num_batches, shapes, seconds, target.config.vocab_size, mesh)
 
 
 def _counts(states: list[dict]) -> dict:
@@ -414,7 +473,7 @@ def _counts(states: list[dict]) -> dict:
   return {k: (int(v) if np.ndim(v) == 0 else v) for k, v in tokens.items()}
 
 
-def _finish(states, threshold, options, num_batches, shapes, seconds, vocab_size) -> CollectResult:
+def _finish(states, threshold, options, num_batches, shapes, seconds, vocab_size, mesh) -> CollectResult:
   tok = _counts(states)
   entropy_lib.check_finite(tok["nonfinite_hidden"])  # names the layers
   if tok["nonfinite_logits"]:
@@ -430,10 +489,10 @@ def _finish(states, threshold, options, num_batches, shapes, seconds, vocab_size
                      "attention / assistant masks")
   kinds = ["filtered"] + (["unfiltered"] if options.unfiltered != "none" else [])
   merged = {k: functools.reduce(stats_lib.merge, [s[k] for s in states]) for k in kinds}
-  final = {k: stats_lib.finalize(v) for k, v in merged.items()}
+  final = {k: stats_lib.finalize(v, mesh) for k, v in merged.items()}
   halves = None
   if len(states) == 2:
-    halves = {k: tuple(stats_lib.finalize(s[k]) if int(s[k].num_tokens) else None for s in states)
+    halves = {k: tuple(stats_lib.finalize(s[k], mesh) if int(s[k].num_tokens) else None for s in states)
               for k in kinds}
   b, t = max(shapes, key=lambda shape: shape[1])
   counts = {"batches": num_batches, "batch_size": b, "seq_len": t,

@@ -14,8 +14,8 @@ Definition for Z ∈ R^{n×D} (the kept tokens of one sequence at one layer):
 Normalised entropy divides by log(min(n, D)).
 
 Everything is mask-aware with fixed shapes so that one jitted, vmapped call handles all layers and sequences;
-the Gram/covariance choice is static (padded length against D). The eigendecompositions are batched into one
-`eigvalsh` call over [L+1, B, m, m].
+the Gram/covariance choice is static (padded length against D). The eigendecompositions run layer by layer
+(`jax.lax.map`), each one batched `eigvalsh` over [B, m, m], so the transient memory is one layer's.
 
 Cost. The α ≠ 2 eigendecomposition is cubic in m, and it dominates the analysis (a 512×512 `eigvalsh` for each
 of 31 layers of one sequence costs about as much as SmolLM2-135M's forward over it). Only the kept tokens matter
@@ -31,6 +31,7 @@ D target width.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ __all__ = [
     "prompt_entropy",
     "bucket_sizes",
     "covariance_entropy",
+    "eigvalsh",
     "nonfinite_layers",
     "check_finite",
 ]
@@ -104,7 +106,41 @@ def entropy_from_gram(k: jax.Array, alpha: float = 1.0) -> jax.Array:
     safe = jnp.where(tr > 0, tr, 1.0)
     return jnp.where(tr > 0, -jnp.log(fro2 / (safe * safe)), 0.0)
   k = k / jnp.where(tr > 0, tr, 1.0)[..., None, None]
-  return entropy_from_eigenvalues(jnp.linalg.eigvalsh(k), alpha)
+  return entropy_from_eigenvalues(eigvalsh(k), alpha)
+
+
+# Matrices per call of TPU's Jacobi kernel: with 8 at a time it ran out of on-chip scoped memory (VMEM) for
+# sizes 776-936 (8 × 808 in the analysis step at T = 2048), and one at a time it compiled at every size tried
+# from 16 to 4096; batches of up to 8 compiled at every size up to 768.
+_TPU_EIGH_GROUP = 8
+_TPU_EIGH_GROUP_MAX_SIZE = 512
+
+
+def _jacobi_eigvalsh(k: jax.Array) -> jax.Array:
+  *batch, m, _ = k.shape
+  n = math.prod(batch)
+  group = _TPU_EIGH_GROUP if m <= _TPU_EIGH_GROUP_MAX_SIZE else 1
+  eigh = lambda x: jax.lax.linalg.eigh(  # noqa: E731
+      x, implementation=jax.lax.linalg.EighImplementation.JACOBI, sort_eigenvalues=False)[1]
+  if n <= group:
+    return eigh(k)
+  flat = jnp.pad(k.reshape(n, m, m), ((0, -n % group), (0, 0), (0, 0)))  # zero matrices: zero spectra, cut
+  w = jax.lax.map(eigh, flat.reshape(-1, group, m, m))
+  return w.reshape(-1, m)[:n].reshape(*batch, m)
+
+
+def eigvalsh(k: jax.Array) -> jax.Array:
+  """Eigenvalues of symmetric matrices [..., m, m] → [..., m] (in no particular order on TPU).
+
+  `jnp.linalg.eigvalsh` everywhere but on TPU, where JAX's default (QDWH spectral divide and conquer) is a
+  large program traced per matrix size: compiled for a v5e on a 2-core host it took 130 s for one
+  [8, 512, 512] batch, and the analysis step holds one size per rung of `bucket_sizes` (two accumulators × up
+  to 18 rungs). XLA's Jacobi kernel compiles in 3-10 s at any size up to 4096 (its speed on a chip is not
+  measured here), given a few matrices per call (`_TPU_EIGH_GROUP`: a `lax.map` over groups of the batch).
+  Only the entropy of the spectrum is used, so the order does not matter. Under `vmap` the groups cannot be
+  seen: pass the batch explicitly.
+  """
+  return jax.lax.platform_dependent(k, tpu=_jacobi_eigvalsh, default=jnp.linalg.eigvalsh)
 
 
 def normalize_representations(z: jax.Array, mask: jax.Array) -> jax.Array:
@@ -152,15 +188,25 @@ def masked_matrix_entropy(
     (entropy, normalized): float32 scalars; normalized = entropy / log(min(n, D)) (0 when min(n, D) < 2).
   """
   alpha = _check_alpha(alpha)
+  h = entropy_from_gram(_masked_gram(z, mask, normalize), alpha)
+  return h, _normalized(h, mask, z.shape[-1])
+
+
+def _masked_gram(z: jax.Array, mask: jax.Array, normalize: bool) -> jax.Array:
+  """The Gram (or covariance) of the masked rows of z [T, D], Skean-normalised or raw (masked rows zeroed)."""
   mask = mask.astype(bool)
   if normalize:
     zn = normalize_representations(z, mask)
   else:
     zn = z.astype(jnp.float32) * mask.astype(jnp.float32)[:, None]
-  h = entropy_from_gram(_gram_small(zn), alpha)
-  n = jnp.sum(mask.astype(jnp.float32))
-  denom = jnp.log(jnp.minimum(n, float(z.shape[-1])))
-  return h, jnp.where(denom > 0, h / jnp.where(denom > 0, denom, 1.0), 0.0)
+  return _gram_small(zn)
+
+
+def _normalized(h: jax.Array, mask: jax.Array, dim: int) -> jax.Array:
+  """h / log(min(n, D)) with n = mask.sum(-1) (0 when min(n, D) < 2)."""
+  n = jnp.sum(mask.astype(jnp.float32), axis=-1)
+  denom = jnp.log(jnp.minimum(n, float(dim)))
+  return jnp.where(denom > 0, h / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
 def matrix_entropy(z: jax.Array, alpha: float = 1.0, normalize: bool = True) -> jax.Array:
@@ -211,13 +257,11 @@ def bucket_sizes(length: int, dim: int, smallest: int = 16, ratio: float = 1.3) 
   return tuple(sizes)
 
 
-def _compact(hidden: jax.Array, mask: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-  """Kept tokens of each sequence first (stable order), cut to m: [L1, B, m, D], [B, m]."""
+def _compaction(mask: jax.Array, m: int) -> jax.Array | None:
+  """Positions of each sequence's kept tokens first (stable order), cut to m: [B, m] (None: keep all T)."""
   if m >= mask.shape[-1]:
-    return hidden, mask
-  order = jnp.argsort(~mask, axis=-1, stable=True)[:, :m]  # [B, m]
-  rows = jnp.arange(mask.shape[0])[:, None]
-  return hidden[:, rows, order], mask[rows, order]
+    return None
+  return jnp.argsort(~mask, axis=-1, stable=True)[:, :m]
 
 
 def prompt_entropy(
@@ -226,12 +270,14 @@ def prompt_entropy(
 ) -> tuple[jax.Array, jax.Array]:
   """Per-sequence matrix entropy for every layer (prompt entropy before averaging).
 
-  One batched eigendecomposition over [L+1, B, m, m], with m the smallest rung of `buckets` that holds the
-  batch's largest kept count (min(m, D) × min(m, D) matrices). Exact: only the kept tokens enter the Grams.
-  Under `vmap` the `lax.switch` over rungs becomes a select that runs every rung; call it unbatched.
+  Layer by layer (`jax.lax.map`), one batched eigendecomposition over [B, m, m] each, with m the smallest rung
+  of `buckets` that holds the batch's largest kept count (min(m, D) × min(m, D) matrices): the transient
+  memory is one layer's compacted tokens and Grams, not all L+1 layers' at once (at T = 2048, D = 4096, B = 8
+  that is 0.4 GB against 13 GB in float32). Exact: only the kept tokens enter the Grams. Under `vmap` the
+  `lax.switch` over rungs becomes a select that runs every rung; call it unbatched.
 
   Args:
-    hidden: [L+1, B, T, D] hidden states (HF indexing).
+    hidden: [L+1, B, T, D] hidden states (HF indexing; any leading count of layers).
     mask: [B, T] bool keep mask (token filter ∧ attention mask).
     alpha: Rényi order (> 0, static).
     normalize: Skean normalisation (static).
@@ -248,12 +294,24 @@ def prompt_entropy(
   if not buckets or list(buckets) != sorted(set(buckets)) or buckets[-1] < min(t, d):
     raise ValueError(f"buckets must be increasing with the last >= min(T={t}, D={d}), got {buckets}")
   mask = mask.astype(bool)
-  per_seq = functools.partial(masked_matrix_entropy, alpha=alpha, normalize=normalize)
-  over_batch = jax.vmap(per_seq, in_axes=(0, 0))
-  over_layers = jax.vmap(over_batch, in_axes=(0, None))
+  grams = jax.vmap(functools.partial(_masked_gram, normalize=normalize))
+
+  def over_batch(h, kept):  # one layer: [B, m, D], [B, m] → [B], [B]
+    # The Grams [B, m, m] go to one batched eigendecomposition (not one per sequence under vmap: `eigvalsh`
+    # groups them on TPU).
+    e = entropy_from_gram(grams(h, kept), alpha)
+    return e, _normalized(e, kept, d)
+
+  rows = jnp.arange(mask.shape[0])[:, None]
 
   def rung(m):
-    return lambda h, k: over_layers(*_compact(h, k, m))
+    def run(hidden, mask):
+      order = _compaction(mask, m)  # shared by every layer
+      if order is None:
+        return jax.lax.map(lambda h: over_batch(h, mask), hidden)
+      kept = mask[rows, order]
+      return jax.lax.map(lambda h: over_batch(h[rows, order], kept), hidden)
+    return run
 
   if len(buckets) == 1:
     return rung(buckets[0])(hidden, mask)

@@ -254,9 +254,17 @@ def test_clear_errors(tiny, monkeypatch):
 SCRIPT = """
     from layerwave.analysis import collect
     from tests.analysis import collect_test as ct
-    target = layerwave.load_target(ARGS[0])
-    r = collect.collect_stats(target, ct._batches(3), ct._options(threshold=float(ARGS[1])))
-    write_result({"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts})
+    out = {}
+    # Data parallel over 8, and the scale layout: weights split over 'model' (4), batch over 'data' (2). Either
+    # way the accumulators' layers are split over all 8 devices (4 real + 4 dummy layers here).
+    for name, spec in (("data8", (("data", -1),)), ("data2_model4", (("data", 2), ("model", 4)))):
+      target = layerwave.load_target(ARGS[0], mesh_spec=spec)
+      r = collect.collect_stats(target, ct._batches(3), ct._options(threshold=float(ARGS[1])))
+      state = collect.init_state(target, ct._options(), target.mesh)
+      out[name] = {"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts,
+                   "halves": [h.as_dict() for h in r.halves["filtered"]],
+                   "shard": list(state["filtered"].pooled_second_moment.addressable_shards[0].data.shape)}
+    write_result(out)
 """
 
 
@@ -266,13 +274,19 @@ def test_eight_devices_match_one(tiny, tmp_path):
   threshold = _threshold_in_a_gap(target, batches)
   multi = run_on_eight_devices(SCRIPT, tmp_path, path, repr(threshold))
   single = collect.collect_stats(target, batches, _options(threshold=threshold))
-  assert multi["counts"] == single.counts
-  for kind, stats in (("filtered", single.filtered), ("unfiltered", single.unfiltered)):
-    for name, value in stats.as_dict().items():
-      if isinstance(value, list):
-        np.testing.assert_allclose(multi[kind][name], value, rtol=1e-4, atol=1e-4, err_msg=f"{kind}.{name}")
-      else:
-        assert multi[kind][name] == value, (kind, name)
+  d = target.config.hidden_size
+  for mesh, out in multi.items():
+    assert out["counts"] == single.counts, mesh
+    assert out["shard"] == [1, d, d], mesh  # 1/8 of the padded layers' second moments on each device
+    pairs = [("filtered", single.filtered.as_dict(), out["filtered"]),
+             ("unfiltered", single.unfiltered.as_dict(), out["unfiltered"])]
+    pairs += [(f"half{i}", h.as_dict(), m) for i, (h, m) in enumerate(zip(single.halves["filtered"], out["halves"]))]
+    for kind, one, eight in pairs:
+      for name, value in one.items():
+        if isinstance(value, list):
+          np.testing.assert_allclose(eight[name], value, rtol=1e-4, atol=1e-4, err_msg=f"{mesh} {kind}.{name}")
+        else:
+          assert eight[name] == value, (mesh, kind, name)
 
 
 def test_options_from_the_analysis_section():

@@ -1,4 +1,5 @@
-"""Tests for layerwave.analysis.stats: streaming accumulator vs direct float64 computations; merge."""
+"""Tests for layerwave.analysis.stats: streaming accumulator vs direct float64 computations; merge; the layout
+with the layers split over 8 simulated devices against one device."""
 
 import chex
 import jax
@@ -8,6 +9,8 @@ import pytest
 
 from layerwave.analysis import cka
 from layerwave.analysis import stats
+
+from tests.multidevice import run_on_eight_devices
 
 L1, B, T, D = 4, 4, 8, 6
 _update = jax.jit(stats.update)  # one compilation per (shapes, static config), shared by the tests
@@ -145,3 +148,79 @@ def test_errors():
     stats.init(L1, D, alpha=0.0)
   with pytest.raises(ValueError, match="different alpha"):
     stats.merge(stats.init(L1, D, alpha=1.0), stats.init(L1, D, alpha=2.0))
+
+
+def test_padded_layers_are_dropped_by_finalize():
+  # Dummy layers (the padding for a split over devices) change no statistic of the real ones.
+  hidden, keep = _batch(8)
+  args = (jnp.asarray(hidden), jnp.asarray(keep), jax.random.key(3))
+  plain = stats.finalize(_update(stats.init(L1, D, hsic_batch_size=8, buffer_size=16), *args))
+  padded_acc = _update(stats.init(L1, D, hsic_batch_size=8, buffer_size=16, shards=3), *args)
+  assert padded_acc.padded_layers == 6 and padded_acc.num_layers_plus_one == L1
+  padded = stats.finalize(padded_acc)
+  for name, value in plain.as_dict().items():
+    np.testing.assert_allclose(getattr(padded, name), value, rtol=1e-6, atol=1e-6, err_msg=name)
+  with pytest.raises(ValueError, match=r"cannot split over 4 devices.*shards=4"):
+    stats.update(padded_acc, *args[:2], args[2], mesh=type("M", (), {"devices": np.empty(4)})())
+
+
+SHARDED = """
+    import numpy as np
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from layerwave import sharding
+    from layerwave.analysis import stats
+
+    def batch(seed, l1, b, t, d):
+      rng = np.random.default_rng(seed)
+      hidden = rng.normal(size=(l1, b, t, d)) + rng.normal(size=(l1, 1, 1, d)) * 3
+      hidden[1] = hidden[0] @ rng.normal(size=(d, d))
+      keep = rng.random((b, t)) < 0.6
+      keep[:, :2] = True
+      return jnp.asarray(hidden, jnp.float32), jnp.asarray(keep)
+
+    result = {}
+    # 5 layers over 8 devices (3 dummies), and positions B*T = 15 that 8 does not divide (padded on the way in).
+    for name, spec, (l1, b, t, d) in (("data8", (("data", -1),), (5, 4, 8, 6)),
+                                      ("data2_model4", (("data", 2), ("model", 4)), (4, 3, 5, 6))):
+      mesh = sharding.make_mesh(spec)
+      axes = tuple(mesh.axis_names)
+      out = {}
+      for where in ("one", "eight"):
+        m = mesh if where == "eight" else None
+        shards = mesh.devices.size if m is not None else 1
+        accs = [stats.init(l1, d, hsic_batch_size=8, buffer_size=12, shards=shards),
+                stats.init(l1, d, hsic_batch_size=8, shards=shards)]
+        if m is not None:
+          accs = [jax.device_put(a, jax.tree.map(lambda s: NamedSharding(mesh, s), stats.partition_specs(a, axes)))
+                  for a in accs]
+        step = jax.jit(lambda accs, h, k1, k2, i: stats.update_many(
+            accs, h, (k1, k2), (jax.random.key(i), jax.random.key(i + 7)), mesh=m))
+        halves = []
+        for i in range(2):
+          h, k = batch(i, l1, b, t, d)
+          accs = step(accs, h, k, k & (jnp.arange(t) % 2 == 0), i)
+          halves.append(accs)
+        if m is not None:
+          shard = accs[0].pooled_second_moment.addressable_shards[0].data.shape
+          out["shard_shape"] = list(shard)
+          out["spec"] = str(accs[0].pooled_second_moment.sharding.spec)
+        merged = stats.merge(accs[0], halves[0][0])
+        out[where] = [stats.finalize(a, m).as_dict() for a in (accs[0], accs[1], merged)]
+      result[name] = out
+    write_result(result)
+"""
+
+
+def test_layers_split_over_eight_devices_match_one(tmp_path):
+  result = run_on_eight_devices(SHARDED, tmp_path)
+  for name, shard in (("data8", [1, 6, 6]), ("data2_model4", [1, 6, 6])):
+    out = result[name]
+    assert out["shard_shape"] == shard, name  # 1/8 of the padded layers on each device
+    assert "data" in out["spec"] and (name == "data8" or "model" in out["spec"])
+    for one, eight in zip(out["one"], out["eight"]):
+      for field, value in one.items():
+        if isinstance(value, list):
+          np.testing.assert_allclose(eight[field], value, rtol=2e-5, atol=2e-6, err_msg=f"{name}.{field}")
+        else:
+          assert eight[field] == value, (name, field)
