@@ -30,7 +30,10 @@ setuptools.setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        # torch is pinned: 2.13.0 is the CPU build this project's machines carry (see README).
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6"],
+        # torch is pinned: 2.13.0 is the CPU build this project's machines carry (see README). jax[tpu] brings
+        # libtpu, with which the tests compile every stage for a TPU topology on this CPU (experiments/aot_check.py);
+        # it pins jax to the version its libtpu was built with.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "chex>=0.1.90", "torch==2.13.0", "nbclient>=0.10", "ipykernel>=6",
+                 "jax[tpu]==0.10.2"],
     },
 )
