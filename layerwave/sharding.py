@@ -5,6 +5,8 @@ The mesh is built once, from a config's `mesh` field (e.g. `(('data', -1),)` or
 Batches are sharded over `'data'`; parameters are replicated, or split over `'model'` (tensor
 parallelism: attention heads and the MLP's hidden units) when the mesh has that axis. Meshes use Auto axes so
 XLA's partitioner places the collectives.
+
+Legend (`layerwave.axes`): V target vocabulary, D target width.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -222,7 +225,6 @@ def fsdp_shardings(tree, mesh: Mesh):
 def param_shardings(state, mesh: Mesh):
   """`NamedSharding`s of `param_spec` for every leaf of an NNX state (the target's, or a draft's at inference:
   its blocks carry the target's names, so they split over 'model' the same way)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   return nnx.from_flat_state([
       (path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh))))
       for path, var in nnx.to_flat_state(state)])

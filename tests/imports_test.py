@@ -26,10 +26,11 @@ LAYERS = (
     ("training", ("layerwave.training",)),
     ("speculative", ("layerwave.speculative",)),
     ("compare", ("layerwave.compare", "layerwave.compare_table", "layerwave.compare_release")),
+    ("aot", ("layerwave.aot",)),  # compiles every stage for TPU topologies: it reads them all
 )
 # Optional or heavy third-party dependencies that may be imported where they are used.
 DEFERRED_OK = {"torch", "transformers", "tensorboardX", "safetensors", "gguf", "tokenizers",
-               "huggingface_hub", "pydoc_data", "importlib"}
+               "huggingface_hub", "pydoc_data", "importlib", "libtpu"}
 
 
 def _modules() -> dict[str, str]:

@@ -19,7 +19,7 @@ all-pairs functions also run inside `jax.shard_map` with the layers split over d
 device forms its own layers' Grams and gathers the others' (an m×m Gram per layer, not the m×D features), so
 the per-layer work is spread instead of repeated on every chip.
 
-Legend (`layerwave.axes`): L target layers, n kept tokens, m Gram size, D target width.
+Legend (`layerwave.axes`): L target layers, B batch, T tokens, n kept tokens, m Gram size, D target width.
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ the front and cuts the padded length to the smallest size of a static ladder (`b
 batch's largest kept count, choosing the branch with `lax.switch` inside the jit: every branch has static
 shapes, the result is exact, and the cost follows the number of kept tokens instead of the padded length.
 
-Legend (`layerwave.axes`): L target layers, L1 hidden-state depths, B batch, T tokens, n kept tokens, m Gram size,
-D target width.
+Legend (`layerwave.axes`): L target layers, B batch, T tokens, n kept tokens, m Gram size, D target width.
 """
 
 from __future__ import annotations

@@ -304,7 +304,7 @@ def update_many(accs, hidden: jax.Array, keep_masks, keys, *, mesh=None) -> tupl
     flat = jnp.pad(flat, ((0, 0), (0, -p % shards), (0, 0)))
 
   def per_device(accs, flat, keeps, keys):
-    # [L1, P/N, D] every layer at this device's positions → [L1p/N, P, D] this device's layers at all positions.
+    # Every layer at this device's share of the positions → this device's layers at all positions.
     local = jax.lax.all_to_all(_pad_layers(flat, rows), axes, 0, 1, tiled=True)
     local = local[:, :p].reshape(rows // shards, b, t, d)
     return tuple(_update_local(a, local, k, key, axes) for a, k, key in zip(accs, keeps, keys))
@@ -316,13 +316,14 @@ def update_many(accs, hidden: jax.Array, keep_masks, keys, *, mesh=None) -> tupl
 
 def _update_local(acc: LayerStatsAccumulator, hidden: jax.Array, keep: jax.Array, key,
                   axis_name) -> LayerStatsAccumulator:
-  """`update` on this device's block of layers (all of them when `axis_name` is None): hidden [S, B, T, D]."""
+  """`update` on this device's block of layers (all of them when `axis_name` is None): hidden is this block's
+  layers, batch and tokens (`[L1, B, T, D]` for the whole block on one device)."""
   b, t = keep.shape
   n_seq = jnp.sum(keep.astype(jnp.int32), axis=-1)  # [B]
 
   bad = entropy_lib.nonfinite_layers(hidden, keep).astype(jnp.int32)
 
-  h, hn = entropy_lib.prompt_entropy(hidden, keep, acc.alpha, acc.normalize)  # [S, B]
+  h, hn = entropy_lib.prompt_entropy(hidden, keep, acc.alpha, acc.normalize)  # per layer of the block, per sequence
   prompt_ok = (n_seq >= 2).astype(jnp.float32)
   pe_sum = acc.prompt_entropy_sum + jnp.sum(h * prompt_ok, axis=-1)
   pen_sum = acc.prompt_entropy_norm_sum + jnp.sum(hn * prompt_ok, axis=-1)

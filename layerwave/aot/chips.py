@@ -16,6 +16,8 @@ import dataclasses
 import os
 import re
 
+from jax.experimental import topologies
+
 GiB = 2 ** 30
 
 
@@ -95,7 +97,6 @@ def topology_devices(name: str) -> tuple[Chip, list]:
   except ImportError as e:
     raise ValueError("Compiling for a TPU topology needs libtpu: pip install \"jax[tpu]==$(python -c 'import jax; "
                      "print(jax.__version__)')\" (the test extra of setup.py installs it).") from e
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip.name}:{'x'.join(map(str, grid))}")
   devices = list(topo.devices)
   if len(devices) != chips:

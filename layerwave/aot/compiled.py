@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layerwave import atomic
 from layerwave import sharding
 from layerwave.aot import chips as chips_lib
 from layerwave.aot import stages as stages_lib
@@ -205,7 +206,6 @@ HEADER = ("| stage | call | args GiB | out GiB | temp GiB | peak / HBM GiB | ver
 
 
 def write_json(result: dict, path: str) -> None:
-  from layerwave import atomic  # pylint: disable=g-import-not-at-top
   atomic.write_text(path, json.dumps(result, indent=1, default=str))
 
 

@@ -8,8 +8,7 @@ function a launcher calls (`inference.forward_fn`, `collect.stats_step`'s jit, t
 batches), and its static settings from the same typed options the launcher builds from its config. Nothing is
 allocated: the target, the draft and the optimizer state are shapes (`nnx.eval_shape`, `jax.eval_shape`).
 
-Legend (`layerwave.axes`): B batch, T tokens, L target layers, k selected layers, D target width, V target
-vocabulary, V_d draft vocabulary, K draft depth.
+Legend (`layerwave.axes`): B batch, T tokens.
 """
 
 from __future__ import annotations

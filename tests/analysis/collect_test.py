@@ -263,7 +263,9 @@ SCRIPT = """
       state = collect.init_state(target, ct._options(), target.mesh)
       out[name] = {"filtered": r.filtered.as_dict(), "unfiltered": r.unfiltered.as_dict(), "counts": r.counts,
                    "halves": [h.as_dict() for h in r.halves["filtered"]],
-                   "shard": list(state["filtered"].pooled_second_moment.addressable_shards[0].data.shape)}
+                   "shard": list(state["filtered"].pooled_second_moment.addressable_shards[0].data.shape),
+                   "bytes": collect.state_bytes(target.config, ct._options(), target.mesh),
+                   "device_bytes": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))}
     write_result(out)
 """
 
@@ -278,6 +280,7 @@ def test_eight_devices_match_one(tiny, tmp_path):
   for mesh, out in multi.items():
     assert out["counts"] == single.counts, mesh
     assert out["shard"] == [1, d, d], mesh  # 1/8 of the padded layers' second moments on each device
+    assert out["bytes"][1] == out["device_bytes"], mesh  # state_bytes' per-device count is what a device holds
     pairs = [("filtered", single.filtered.as_dict(), out["filtered"]),
              ("unfiltered", single.unfiltered.as_dict(), out["unfiltered"])]
     pairs += [(f"half{i}", h.as_dict(), m) for i, (h, m) in enumerate(zip(single.halves["filtered"], out["halves"]))]
@@ -287,6 +290,20 @@ def test_eight_devices_match_one(tiny, tmp_path):
           np.testing.assert_allclose(eight[name], value, rtol=1e-4, atol=1e-4, err_msg=f"{mesh} {kind}.{name}")
         else:
           assert eight[name] == value, (mesh, kind, name)
+
+
+def test_state_layout_on_one_device(tiny):
+  _, target = tiny
+  options = _options()
+  state = collect.init_state(target, options, target.mesh)
+  shapes = jax.eval_shape(lambda: collect.empty_state(target.config, options, target.mesh))
+  assert jax.tree.structure(state) == jax.tree.structure(shapes)
+  layout = collect.state_shardings(target.config, options, target.mesh)
+  assert jax.tree.structure(layout) == jax.tree.structure(state)
+  total, per_device = collect.state_bytes(target.config, options, target.mesh)
+  assert total == per_device == sum(x.nbytes for x in jax.tree.leaves(state))
+  l1, d = target.config.num_layers + 1, target.config.hidden_size
+  assert state["filtered"].pooled_second_moment.shape == (l1, d, d)  # no padding for one device
 
 
 def test_options_from_the_analysis_section():
