@@ -1,6 +1,6 @@
 """Does every stage fit the TPU slice? Compiles each for the topology from this machine (libtpu, no TPU needed).
 
-  python experiments/aot_check.py --config=configs/llama3_8b.py:v5e8 --stages=all --json=/tmp/aot.json
+  python experiments/aot_check.py --config=configs/llama3_8b.py:v5e8 --stages=all --json=aot_rows.json
   python experiments/aot_check.py --config=configs/llama3_8b.py:v5e8 --topology=v5e:4x4 \
       --config.mesh='(("data",2),("model",8))' --stages=train_offline,train_online
   python experiments/aot_check.py --config=configs/llama3_8b.py:v5e8 --model_config=/path/to/config.json
