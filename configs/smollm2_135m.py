@@ -159,6 +159,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # dtype (float32) or "bfloat16" (what features.compute_dtype is to a store; options.py). Held-out evaluation
   # always runs on the float32 target.
   c.train.target_dtype = ""
+  # Long sequences at scale (configs/scale.py): each unrolled TTT step rematerialised in the backward pass and the
+  # draft's attention in query blocks (losses.ttt_loss). The same losses; off here so CPU numbers stay as measured.
+  c.train.remat = False
   c.train.init_from = ""  # continue an unfinished run from its interim release (a new machine; options.py)
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
