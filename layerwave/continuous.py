@@ -129,7 +129,7 @@ def _insert(graphdef, params, state: SlotState, rows, tokens, lengths, seed_inde
   valid = (jnp.arange(width)[None, :] < lengths[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(graphdef, params, tokens, positions, causal_mask(valid), small,
-                       jnp.zeros((b,), jnp.int32), compute_logits=False)
+                       jnp.zeros((b,), jnp.int32), compute_logits=False, valid=valid)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   first = _sample_rows(logits_fn(graphdef, params)(last_h), base_key, seed_index, jnp.zeros((b,), jnp.int32),
                        sampling)

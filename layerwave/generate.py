@@ -74,7 +74,7 @@ def _generate(graphdef, params, tokens, lengths, rng, *, config, mesh, max_new_t
   valid = (jnp.arange(width)[None, :] < lengths[:, None]).astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(graphdef, params, tokens, positions, causal_mask(valid), cache,
-                       jnp.zeros((b,), jnp.int32), compute_logits=False)
+                       jnp.zeros((b,), jnp.int32), compute_logits=False, valid=valid)
   model_logits = logits_fn(graphdef, params)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)

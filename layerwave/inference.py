@@ -196,7 +196,7 @@ def logits_fn(graphdef, params):
 
 def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
                    return_hidden_states=False, hidden_layers=None, compute_logits=True,
-                   read_slots=None) -> TargetOutput:
+                   read_slots=None, valid=None) -> TargetOutput:
   """New tokens `[B, T]` against `cache` (un-jitted: called inside larger jitted loops).
 
   Args:
@@ -207,13 +207,16 @@ def cached_forward(graphdef, params, tokens, positions, mask, cache, lengths, *,
     cache: a `KVCache`; the new entries are written at slots `lengths[b] + i`.
     lengths: `[B]` committed prefix length per row.
     return_hidden_states, hidden_layers, compute_logits, read_slots: as `Transformer.__call__`.
+    valid: `[B, T]` real tokens of a prefill into an empty cache (`lengths` zero, `mask` `causal_mask(valid)`):
+      its attention then runs through the target's kernel (`Transformer.__call__`).
 
   Returns:
     `TargetOutput` with the updated cache (the caller commits by advancing `lengths`).
   """
   model = nnx.merge(graphdef, params)
   return model(tokens, positions, mask, cache, lengths, return_hidden_states=return_hidden_states,
-               hidden_layers=hidden_layers, compute_logits=compute_logits, read_slots=read_slots)
+               hidden_layers=hidden_layers, compute_logits=compute_logits, read_slots=read_slots,
+               valid=valid)
 
 
 def load_target(spec: str, dtype: Any = "float32", mesh: Mesh | None = None,

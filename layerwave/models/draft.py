@@ -31,7 +31,7 @@ from layerwave.models import kv_cache
 from layerwave.models import layers
 from layerwave.models.config import ModelConfig
 from layerwave.models.kv_cache import KVCache
-from layerwave.models.target import Attention, DecoderLayer
+from layerwave.models.target import Attention, CausalKernel, DecoderLayer
 
 Array = jax.Array
 
@@ -216,7 +216,7 @@ class Draft(nnx.Module):
 
   # -- decoding against a cache -----------------------------------------------------------------
   def __call__(self, g: Array, tokens: Array, positions: Array, mask: Array, cache: KVCache,
-               lengths: Array) -> tuple[Array, Array, KVCache]:
+               lengths: Array, causal: CausalKernel | None = None) -> tuple[Array, Array, KVCache]:
     """Runs new draft positions against the draft's cache (same contract as the target's forward).
 
     Args:
@@ -226,6 +226,9 @@ class Draft(nnx.Module):
       mask: `[B, T, T]` mask among the new positions.
       cache: the draft's `KVCache` (one entry per draft layer); new keys at `lengths`.
       lengths: `[B]` committed draft-cache length per row.
+      causal: a prefill into an empty cache (`lengths` zero, `mask` `causal_mask(causal.valid)`): the new
+        positions read only each other, through the kernel `causal.impl` names (the target's; `[T, T]` never
+        whole on an accelerator).
 
     Returns:
       (h `[B, T, d]` pre-norm features, logits `[B, T, V_d]`, updated cache).
@@ -234,11 +237,12 @@ class Draft(nnx.Module):
     full = kv_cache.cache_mask(mask, lengths, cache.slots)
     layer = self.midlayer
     out, kv = layer.self_attn(layer.attn_input(g, self.embed(tokens)), positions, inv_freq, full,
-                              (cache.keys[0], cache.values[0]), lengths)
+                              (cache.keys[0], cache.values[0]), lengths, causal=causal)
     h = layer.finish(g, out)
     keys, values = [kv[0]], [kv[1]]
     for i, extra in enumerate(self.extra_layers):
-      h, kv = extra(h, positions, inv_freq, full, (cache.keys[i + 1], cache.values[i + 1]), lengths)
+      h, kv = extra(h, positions, inv_freq, full, (cache.keys[i + 1], cache.values[i + 1]), lengths,
+                    causal=causal)
       keys.append(kv[0])
       values.append(kv[1])
     return h, self.logits(h), KVCache(tuple(keys), tuple(values))

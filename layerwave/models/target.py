@@ -84,16 +84,17 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
+    if causal is not None:  # the new tokens read only each other (cache-free, or a prefill into an empty
+      # cache): the kernel `causal.impl` names, [T, T] never whole
+      out = attention.causal_attention(q, k, v, causal.valid, scale=self.scale, window=causal.window,
+                                       impl=causal.impl, mesh=causal.mesh)
     if cache_kv is not None:
       k = kv_cache.write(cache_kv[0], k, lengths)
       v = kv_cache.write(cache_kv[1], v, lengths)
       cache_kv = (k, v)
       if read_slots is not None:  # attention reads the first `read_slots` slots only (static)
         k, v = k[:, :read_slots], v[:, :read_slots]
-    if causal is not None:  # a cache-free causal forward: the kernel `causal.impl` names, [T, T] never whole
-      out = attention.causal_attention(q, k, v, causal.valid, scale=self.scale, window=causal.window,
-                                       impl=causal.impl, mesh=causal.mesh)
-    else:
+    if causal is None:
       out = layers.attend(q, k.astype(q.dtype), v.astype(q.dtype), mask, self.scale)
     return self.o_proj(out.reshape(b, t, -1)), cache_kv
 
@@ -131,7 +132,7 @@ class DecoderLayer(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class CausalKernel:
-  """A cache-free causal forward's attention through `attention.causal_attention` (per layer: `window`)."""
+  """A causal forward's attention among its new tokens through `attention.causal_attention` (per layer: `window`)."""
 
   valid: Array
   impl: str
@@ -207,7 +208,8 @@ class Transformer(nnx.Module):
       read_slots: with a cache, attention reads only its first `read_slots` slots (static; every row's
         `lengths + T` must not exceed it), so a step costs what the live context costs, not the whole
         preallocated cache. None reads every slot.
-      valid: `[B, T]` real tokens of a cache-free forward whose `mask` is `causal_mask(valid)`: attention then
+      valid: `[B, T]` real tokens of a causal forward whose `mask` is `causal_mask(valid)`, cache-free or a
+        prefill into an empty cache (`lengths` all zero: the new tokens read only each other): attention then
         runs through the target's `attention_impl` kernel (the same values; "xla" is the dense path itself).
 
     Returns:
@@ -228,7 +230,7 @@ class Transformer(nnx.Module):
     collected = {0: x} if return_hidden_states and 0 in wanted else {}
     new_k, new_v = [], []
     kernel = None
-    if valid is not None and cache is None and self.attention_impl != "xla":
+    if valid is not None and self.attention_impl != "xla":
       kernel = CausalKernel(valid, self.attention_impl, self.mesh)
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.keys[i], cache.values[i])

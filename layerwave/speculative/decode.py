@@ -45,6 +45,7 @@ from layerwave.inference import Target, cached_forward, new_cache, pad_prompts
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models import kv_cache
 from layerwave.models.kv_cache import KVCache, causal_mask
+from layerwave.models.target import CausalKernel
 from layerwave.sampling import SamplingParams, log_probs, sample
 from layerwave.speculative import tree as tree_lib
 from layerwave.speculative import verify
@@ -161,7 +162,7 @@ class SpecState:
   accept_trace: jax.Array
 
 
-def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, valid=None):
+def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, valid=None, kernel=None):
   """Draft positions `lengths + i` read (fused target features, next token); returns h at `last_index`.
 
   Args:
@@ -172,6 +173,8 @@ def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, vali
     last_index: `[B]` which of the T positions is the last real one.
     cache: the draft `KVCache`.
     valid: optional `[B, T]` real positions (the prompt's padding), for the mask.
+    kernel: with `valid`, a prefill into an empty cache: its attention through this kernel (the target's
+      `attention_impl`, on the target's mesh; `Draft.__call__`).
 
   Returns:
     (h `[B, d]` at `last_index`, updated draft cache).
@@ -179,7 +182,8 @@ def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, vali
   t = next_tokens.shape[1]
   valid = jnp.ones(next_tokens.shape, jnp.int32) if valid is None else valid
   positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  h, _, cache = draft(draft.fuse(features), next_tokens, positions, causal_mask(valid), cache, lengths)
+  causal = None if kernel is None or kernel.impl == "xla" else dataclasses.replace(kernel, valid=valid)
+  h, _, cache = draft(draft.fuse(features), next_tokens, positions, causal_mask(valid), cache, lengths, causal)
   return jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0], cache
 
 
@@ -244,14 +248,16 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
   out = cached_forward(target_graphdef, target_params, tokens, positions, causal_mask(valid),
                        target_cache, jnp.zeros((b,), jnp.int32), return_hidden_states=True,
-                       hidden_layers=layer_ids, compute_logits=False)
+                       hidden_layers=layer_ids, compute_logits=False, valid=valid)
   last_h = jnp.take_along_axis(out.last_hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   rng, key = jax.random.split(rng)
   first = sample(logits_fn(target_graphdef, target_params)(last_h), key, sampling)
   shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # token t+1 at position t
   shifted = shifted.at[jnp.arange(b), lengths - 1].set(first)
+  target = nnx.merge(target_graphdef, target_params)  # its kernel reads the draft's prompt too
   h, draft_cache = _draft_commit(draft, out.hidden_states, shifted, jnp.zeros((b,), jnp.int32),
-                                 lengths - 1, draft_cache, valid)
+                                 lengths - 1, draft_cache, valid, CausalKernel(valid, target.attention_impl,
+                                                                               target.mesh))
   state = SpecState(
       step=jnp.asarray(0, jnp.int32),
       tokens=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32).at[:, 0].set(first),

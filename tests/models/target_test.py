@@ -10,6 +10,7 @@ import pytest
 
 import layerwave
 from layerwave import inference
+from layerwave.generate import generate
 from layerwave.models.config import ModelConfig
 from layerwave.models.kv_cache import KVCache, causal_mask
 
@@ -69,6 +70,31 @@ def test_the_memory_efficient_attention_kernel_matches_pytorch_too(family):
   np.testing.assert_allclose(np.asarray(out.logits)[real], ref.logits.numpy()[real], atol=1e-4, rtol=1e-4)
   with pytest.raises(ValueError, match="Unknown attention kernel 'flash'"):
     inference.with_attention(target, "flash")
+
+
+def test_a_prefill_through_the_kernel_fills_the_cache_the_dense_prefill_fills(family):
+  """A prefill into an empty cache given `valid` runs its attention through the target's kernel ("chunked"
+  here; splash and cuDNN on accelerators): the same states and cache as the dense prefill over the whole cache,
+  and greedy decoding after it (static batch and continuous batching) the same tokens."""
+  name, _, target = family
+  chunked = inference.with_attention(target, "chunked")
+  ids, valid = _batch(target.config.vocab_size, seed=5)
+  b, t = ids.shape
+  pos = np.broadcast_to(np.arange(t), (b, t))
+  outs = [inference.cached_forward(m.graphdef, m.params, ids, pos, causal_mask(jnp.asarray(valid)),
+                                   KVCache.zeros(target.config, b, 32), jnp.zeros(b, jnp.int32),
+                                   return_hidden_states=True, valid=jnp.asarray(valid))
+          for m in (target, chunked)]
+  real = valid.astype(bool)
+  np.testing.assert_allclose(np.asarray(outs[1].hidden_states)[:, real], np.asarray(outs[0].hidden_states)[:, real],
+                             atol=1e-5, rtol=1e-5, err_msg=name)
+  for dense, kernel in zip(outs[0].cache.keys + outs[0].cache.values, outs[1].cache.keys + outs[1].cache.values):
+    np.testing.assert_allclose(np.asarray(kernel)[:, :t][real], np.asarray(dense)[:, :t][real], atol=1e-5,
+                               rtol=1e-5, err_msg=name)
+  prompts = [ids[0].tolist(), ids[1, :7].tolist()]
+  for slots in (0, 1):
+    assert (generate(chunked, prompts, 6, ignore_eos=True, slots=slots)
+            == generate(target, prompts, 6, ignore_eos=True, slots=slots)), (name, slots)
 
 
 def nnx_attention(target):

@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 
 import layerwave
+from layerwave import inference
 from layerwave.sampling import SamplingParams, log_probs
 from layerwave.speculative import decode
 
@@ -43,6 +44,17 @@ def test_gemma_target_greedy_equals_generate_past_the_window(gemma, options):
   out, metrics = layerwave.speculative.generate(target, trained, PROMPTS, 24, **options)
   assert out == ref
   assert metrics["tau"] > 1.5  # drafts were accepted, so accepted paths were committed and read back
+
+
+@pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
+def test_prefills_through_the_kernel_change_no_token(llama, gemma, options):
+  """The target's and the draft's prompt prefills through the memory-efficient kernel ("chunked" here, splash on
+  TPU, cuDNN on GPU: `[T, T]` never whole) give the dense prefill's tokens and acceptance, Gemma's window too."""
+  for target, trained in ((llama[0], llama[2]), gemma):
+    chunked = inference.with_attention(target, "chunked")
+    ref, ref_metrics = layerwave.speculative.generate(target, trained, PROMPTS, 24, **options)
+    out, metrics = layerwave.speculative.generate(chunked, trained, PROMPTS, 24, **options)
+    assert out == ref and metrics["tau"] == ref_metrics["tau"]
 
 
 @pytest.mark.parametrize("options", [CHAIN, TREE], ids=["chain", "tree"])
