@@ -19,7 +19,7 @@ PACKAGE = os.path.join(ROOT, "layerwave")
 LAYERS = (
     ("base", ("layerwave.atomic", "layerwave.axes", "layerwave.options", "layerwave.sharding",
               "layerwave.sampling", "layerwave.checkpoint", "layerwave.metrics", "layerwave.plots",
-              "layerwave.layer_ids")),
+              "layerwave.layer_ids", "layerwave.engine_ids")),
     ("models", ("layerwave.models", "layerwave.inference", "layerwave.continuous", "layerwave.generate")),
     ("data", ("layerwave.data",)),
     ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.eagle3", "layerwave.export")),
