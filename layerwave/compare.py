@@ -322,8 +322,7 @@ def fingerprint_settings(config) -> dict[str, Any]:
   out["compare"] = {k: v for k, v in dataclasses.asdict(cmp).items() if k not in _GROWABLE}
   train = dataclasses.asdict(options_lib.from_section(TrainOptions, config.train, "train"))
   out["train"] = {k: v for k, v in TrainOptions.drop_unset_later(train).items() if k not in _RUN_LENGTH}
-  out["draft_model"] = dataclasses.asdict(options_lib.from_section(DraftModelOptions, config.draft_model,
-                                                                   "draft_model"))
+  out["draft_model"] = options_lib.from_section(DraftModelOptions, config.draft_model, "draft_model").record()
   out["data"] = options_lib.from_section(DataOptions, config.data, "data").record()
   decoding = dataclasses.asdict(evaluate_lib.DecodeSettings.from_config(config.speculate,
                                                                         max_new_tokens=cmp.max_new_tokens))

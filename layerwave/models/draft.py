@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from layerwave.models import gates as gates_lib
 from layerwave.models import kv_cache
 from layerwave.models import layers
 from layerwave.models.config import ModelConfig
@@ -55,6 +56,7 @@ class DraftConfig:
     target_vocab_size: V.
     model: the draft decoder's own shape (hidden_size d, heads, MLP, num_layers, vocab_size = V_d).
     fc_norm: RMSNorm each selected layer's chunk before the fc (optional; EAGLE-3 has none).
+    gates: a learned gate per layer and its regulariser (`layerwave.models.gates`), or None (EAGLE-3's fusion).
   """
 
   layer_ids: tuple[int, ...]
@@ -63,6 +65,12 @@ class DraftConfig:
   target_vocab_size: int
   model: ModelConfig
   fc_norm: bool = False
+  gates: gates_lib.GateConfig | None = None
+
+  def __post_init__(self):
+    if self.gates is not None and not self.fc_norm:
+      raise ValueError("A gated draft normalises every depth before its gate, so that gates compare depths at one "
+                       "scale: set --config.draft_model.fc_norm=True with --config.draft_model.gates.")
 
   @property
   def draft_vocab_size(self) -> int:
@@ -71,7 +79,8 @@ class DraftConfig:
   @classmethod
   def from_target(cls, target: ModelConfig, layer_ids, draft_vocab_size: int = 32000,
                   num_layers: int = 1, hidden_size: int | None = None,
-                  intermediate_size: int | None = None, fc_norm: bool = False) -> "DraftConfig":
+                  intermediate_size: int | None = None, fc_norm: bool = False,
+                  gates: gates_lib.GateConfig | None = None) -> "DraftConfig":
     """Default sizes: the target's width, heads and MLP, one layer, V_d capped at the target's V."""
     ids = tuple(int(i) for i in layer_ids)
     validate_layer_ids(ids, target.num_layers)
@@ -86,13 +95,15 @@ class DraftConfig:
         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
     return cls(layer_ids=ids, target_num_layers=target.num_layers,
                target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-               model=model, fc_norm=fc_norm)
+               model=model, fc_norm=fc_norm, gates=gates)
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
     d["model"]["rope_scaling"] = self.model.rope_scaling_dict
     d["layer_ids"] = list(self.layer_ids)
     d["model"]["eos_token_ids"] = list(self.model.eos_token_ids)
+    if self.gates is None:
+      d.pop("gates")  # an ungated draft's record reads as it did before gates existed
     return d
 
   @classmethod
@@ -104,7 +115,8 @@ class DraftConfig:
     return cls(layer_ids=tuple(d["layer_ids"]), target_num_layers=d["target_num_layers"],
                target_hidden_size=d["target_hidden_size"],
                target_vocab_size=d["target_vocab_size"], model=ModelConfig(**m),
-               fc_norm=bool(d.get("fc_norm", False)))
+               fc_norm=bool(d.get("fc_norm", False)),
+               gates=gates_lib.GateConfig(**d["gates"]) if d.get("gates") else None)
 
   def check_target(self, target: ModelConfig) -> None:
     """Raises if this draft was not made for `target` (L, D, V)."""
@@ -174,6 +186,7 @@ class Draft(nnx.Module):
     self.fc = layers.Linear(k * big_d, c.hidden_size, dtype=dtype, rngs=rngs)
     self.fc_norms = nnx.List([layers.RMSNorm(big_d, c.rms_norm_eps, dtype=dtype)
                               for _ in range(k)]) if config.fc_norm else None
+    self.gates = gates_lib.LayerGates(config.gates, k) if config.gates is not None else None
     if embedding is None:
       embedding = nnx.initializers.normal(0.02)(rngs.params(), (config.target_vocab_size, big_d),
                                                 dtype)
@@ -193,12 +206,30 @@ class Draft(nnx.Module):
     return jnp.asarray(layers.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict),
                        jnp.float32)
 
-  def fuse(self, features: Array) -> Array:
-    """`features [k, B, T, D]` (the selected target layers) → g `[B, T, d]`."""
+  def fuse(self, features: Array, step: Array | None = None) -> Array:
+    """`features [k, B, T, D]` (the selected target layers) → g `[B, T, d]`.
+
+    A gated draft multiplies each normalised layer by its gate (`layerwave.models.gates`): sampled when `step`
+    (the training step) is given, deterministic otherwise.
+    """
     chunks = list(features)
     if self.fc_norms is not None:
       chunks = [n(x) for n, x in zip(self.fc_norms, chunks)]
+    if self.gates is not None:
+      z = self.gates(features.shape[1], step)  # [k, B]
+      chunks = [x * z[i][:, None, None].astype(x.dtype) for i, x in enumerate(chunks)]
     return self.fc(jnp.concatenate(chunks, axis=-1))
+
+  def gate_values(self) -> Array:
+    """`[k]` the learned gate of each layer (`gates.LayerGates.values`); a gated draft only."""
+    return self.gates.values(self.fc.kernel[...], self._norm_scales())
+
+  def gate_penalty(self) -> Array:
+    """The gates' regulariser (scalar, weighted); a gated draft only."""
+    return self.gates.penalty(self.fc.kernel[...], self._norm_scales())
+
+  def _norm_scales(self) -> Array:
+    return jnp.stack([n.scale[...] for n in self.fc_norms])
 
   def embed(self, tokens: Array) -> Array:
     return jnp.take(self.embed_tokens[...], tokens, axis=0)

@@ -179,7 +179,7 @@ def new_draft(model: DraftModelOptions, train: TrainOptions, seed: int, target: 
   """A freshly initialised draft with its vocabulary counted from the training targets."""
   v_d = min(model.vocab_size, target.config.vocab_size)
   dcfg = DraftConfig.from_target(target.config, record.ids, draft_vocab_size=v_d, num_layers=model.num_layers,
-                                 fc_norm=model.fc_norm)
+                                 fc_norm=model.fc_norm, gates=model.gate_config)
   limit = train.vocab_examples or len(train_source)
   idx = range(min(limit, len(train_source)))
   counts = vocab_lib.count_tokens((train_source[i] for i in idx), target.config.vocab_size,

@@ -114,8 +114,8 @@ def _shift(x: jax.Array, by: jax.Array, length: int) -> jax.Array:
 
 def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab: jax.Array,
              tokens: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array, *, steps: int,
-             decay: float = 0.8, remat: bool = False):
-  """Unrolled TTT loss.
+             decay: float = 0.8, remat: bool = False, gate_step: jax.Array | None = None):
+  """Unrolled TTT loss (plus, for a gated draft, its gates' regulariser: `layerwave.models.gates`).
 
   Args:
     draft: the draft (merged NNX module, inside a transform).
@@ -132,6 +132,8 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
       (`jax.checkpoint`), so only what crosses steps is kept, not each step's attention scores and [B, T, V_d]
       logits, and the attention takes `draft.TTT_QUERY_BLOCK` query rows at a time. The same loss; gradients
       equal to float rounding (XLA fuses the recomputation differently).
+    gate_step: a gated draft's training step (its gates are sampled from it), None at evaluation (deterministic
+      gates); ignored by an ungated draft.
 
   Returns:
     (scalar loss, metrics dict of per-step arrays `[K]`: `loss_j`; `acc_j` = `hits_j / tokens_j`, top-1
@@ -163,7 +165,7 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
     hits = jnp.sum((argmax(h_logits) == argmax(tgt)).astype(jnp.float32) * mask)
     return loss, jnp.stack([hits, jnp.sum(counted), n])
 
-  g = draft.fuse(features)
+  g = draft.fuse(features, gate_step)
   diag = draft.ttt_init(tokens.shape[0], t, steps, dtype=g.dtype)
   zero = jnp.asarray(0, jnp.int32)
 
@@ -193,6 +195,8 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
   hits, tokens_j, in_vocab_j = counts[:, 0], counts[:, 1], counts[:, 2]
   weights = decay ** jnp.arange(steps, dtype=jnp.float32)
   total = jnp.sum(weights * losses)
+  if draft.gates is not None:
+    total = total + draft.gate_penalty()
   return total, {"loss_j": losses, "acc_j": hits / jnp.maximum(tokens_j, 1.0),
                  "acc_in_vocab_j": hits / jnp.maximum(in_vocab_j, 1.0), "hits_j": hits,
                  "tokens_j": tokens_j, "in_vocab_j": in_vocab_j}

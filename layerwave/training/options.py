@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from layerwave import options as options_lib
 from layerwave.data.options import DataOptions
+from layerwave.models import gates as gates_lib
 from layerwave.training import step as step_lib
 
 __all__ = ["DraftModelOptions", "Recipe", "TrainOptions"]
@@ -33,18 +34,52 @@ class DraftModelOptions:
     num_layers: decoder layers of the draft (EAGLE-3: 1).
     fc_norm: RMSNorm each selected layer's chunk before fc.
     init_from_target: start lm_head and the final norm from the target's rows.
+    gates: "" (EAGLE-3's fusion) or a learned gate per layer, "hard_concrete" | "softmax" | "group_lasso"
+      (`layerwave.models.gates`; needs `fc_norm`): the draft of a learned selection
+      (`layerwave.training.learned`), trained on every candidate depth.
+    gate_k: the number of layers the gates' regulariser leaves in use.
+    gate_strength: λ, the regulariser's weight in the loss.
+    gate_lr_scale: the gate logits' learning rate relative to train.lr.
   """
+
+  # Fields added after runs were recorded: they enter a run's (or sweep's) settings only when they differ from
+  # their defaults, so that a run recorded before them still resumes (`record`).
+  LATER: ClassVar[tuple[str, ...]] = ("gates", "gate_k", "gate_strength", "gate_lr_scale")
 
   vocab_size: int = 32000
   num_layers: int = 1
   fc_norm: bool = False
   init_from_target: bool = True
+  gates: str = ""
+  gate_k: int = 3
+  gate_strength: float = 0.1
+  gate_lr_scale: float = 100.0
 
   def __post_init__(self):
     _require(self.vocab_size >= 1, f"draft_model.vocab_size (V_d) must be >= 1, got {self.vocab_size}; set "
              "--config.draft_model.vocab_size=32000 (capped at the target's vocabulary).")
     _require(self.num_layers >= 1, f"draft_model.num_layers must be >= 1, got {self.num_layers}; EAGLE-3 "
              "drafts have 1 (--config.draft_model.num_layers=1).")
+    _require(self.gates in ("",) + gates_lib.KINDS, f"draft_model.gates must be '' (no gates) or one of "
+             f"{list(gates_lib.KINDS)}, got {self.gates!r}; set e.g. --config.draft_model.gates=softmax.")
+    _require(not self.gates or self.fc_norm, "draft_model.gates needs draft_model.fc_norm=True: every depth is "
+             "normalised before its gate, so that gates compare depths at one scale; add "
+             "--config.draft_model.fc_norm=True.")
+    if self.gates:
+      self.gate_config  # pylint: disable=pointless-statement  # its own range checks, now
+
+  @property
+  def gate_config(self) -> gates_lib.GateConfig | None:
+    """The draft's `GateConfig`, or None for an ungated draft."""
+    if not self.gates:
+      return None
+    return gates_lib.GateConfig(kind=self.gates, k=self.gate_k, strength=self.gate_strength,
+                                lr_scale=self.gate_lr_scale)
+
+  def record(self) -> dict:
+    """The fields as a dict, less the `LATER` ones at their defaults (what fingerprints hold)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    return {k: v for k, v in dataclasses.asdict(self).items() if not (k in self.LATER and v == defaults[k])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +300,7 @@ class Recipe:
     train = TrainOptions.drop_unset_later(dataclasses.asdict(self.train))
     for key in TrainOptions.RESUMABLE + ("features", "extra_features"):
       train.pop(key, None)
-    return {"seed": self.seed, "train": train, "draft_model": dataclasses.asdict(self.draft_model),
+    return {"seed": self.seed, "train": train, "draft_model": self.draft_model.record(),
             "data": self.data.record()}
 
   def to_dict(self) -> dict:

@@ -170,7 +170,7 @@ def spread_batch(mesh, *trees, axis: int = 0):
 
 
 def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch, steps,
-             decay, assistant_only, compute_dtype="float32", remat=False, mesh=None):
+             decay, assistant_only, compute_dtype="float32", remat=False, mesh=None, gate_step=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
   target = nnx.merge(target_graphdef, target_params)
   positions = jnp.maximum(jnp.cumsum(attn, axis=-1) - 1, 0)
@@ -186,7 +186,7 @@ def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_param
   features = spread_batch(mesh, features, axis=1)
   logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
   return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay, remat=remat)
+                         decay=decay, remat=remat, gate_step=gate_step)
 
 
 def _metrics(loss, aux):
@@ -198,7 +198,7 @@ def _metrics(loss, aux):
 
 
 def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only,
-                     compute_dtype="float32", remat=False, mesh=None):
+                     compute_dtype="float32", remat=False, mesh=None, gate_step=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
   # Stored features may be bfloat16 on the host and in transfer; the draft reads them in its compute dtype.
   features, embed = _compute_inputs(batch["features"], embed, compute_dtype)
@@ -209,7 +209,7 @@ def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, ste
   features = spread_batch(mesh, features, axis=1)
   logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
   return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay, remat=remat)
+                         decay=decay, remat=remat, gate_step=gate_step)
 
 
 def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
@@ -233,6 +233,9 @@ def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_g
                compute_dtype: str = "float32", remat: bool = False, mesh=None):
   """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's).
 
+  A gated draft (`layerwave.models.gates`) samples its gates from the state's step; evaluation reads them
+  deterministically.
+
   `compute_dtype` ("float32" or "bfloat16", `COMPUTE_DTYPES`): the draft's forward and backward passes; the
   parameters and optimizer state stay float32 (`_compute_inputs`). `remat`: the memory-saving path for long
   sequences (`losses.ttt_loss`). `mesh`: the training mesh; the draft's part of the step then runs with its batch
@@ -240,7 +243,8 @@ def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_g
   """
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
-                               target_params, batch, steps, decay, assistant_only, compute_dtype, remat, mesh)
+                               target_params, batch, steps, decay, assistant_only, compute_dtype, remat, mesh,
+                               state.step)
   return _update(state, optimizer, loss, aux, grads)
 
 
@@ -259,7 +263,7 @@ def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, dra
   """
   grad_fn = jax.value_and_grad(_offline_loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
-                               assistant_only, compute_dtype, remat, mesh)
+                               assistant_only, compute_dtype, remat, mesh, state.step)
   return _update(state, optimizer, loss, aux, grads)
 
 
