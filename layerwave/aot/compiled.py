@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import resource
 import time
 from typing import Any, Sequence
 
@@ -51,6 +53,9 @@ class Row:
   peak_bytes: int = 0
   hbm_bytes: int = 0
   compile_seconds: float = 0.0
+  compile_cpu_seconds: float = 0.0  # this process's CPU time in the compile (every thread): wall time less the load
+  load_average: float = 0.0  # the machine's 1-minute load when the compile ended (2 cores here: > 2 is contention)
+  host_peak_bytes: int = 0  # this process's peak resident host RAM so far (the largest compile's, in effect)
   flops: float = 0.0
   bytes_accessed: float = 0.0
   roofline_seconds: float = 0.0
@@ -90,11 +95,18 @@ def _oom_bytes(message: str) -> tuple[int, str] | None:
 def compile_call(call: stages_lib.StageCall, chip: chips_lib.Chip) -> Row:
   """Lowers and compiles one stage; a program libtpu finds too large becomes a row saying so."""
   row = Row(call.name, call.shape, hbm_bytes=chip.hbm_bytes)
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
+
+  def timed():
+    row.compile_seconds = time.perf_counter() - start
+    row.compile_cpu_seconds = time.process_time() - cpu_start
+    row.load_average = os.getloadavg()[0]
+    row.host_peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
   try:
     compiled = call.fn.lower(*call.args, **call.kwargs).compile()
   except Exception as e:  # pylint: disable=broad-except
-    row.compile_seconds = time.perf_counter() - start
+    timed()
     text = str(e)
     if "RESOURCE_EXHAUSTED" in text or ("hbm" in text.lower() and "memory" in text.lower()):
       found = _oom_bytes(text)
@@ -109,7 +121,7 @@ def compile_call(call: stages_lib.StageCall, chip: chips_lib.Chip) -> Row:
       row.note = _advice(call.kind, True)
       return row
     raise
-  row.compile_seconds = time.perf_counter() - start
+  timed()
   mem = compiled.memory_analysis()
   row.argument_bytes = int(mem.argument_size_in_bytes)
   row.output_bytes = int(mem.output_size_in_bytes)
@@ -197,11 +209,12 @@ def format_row(row: Row) -> str:
   tps = "" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}"
   return (f"| {row.stage} | {row.shape} | {row.argument_bytes / GiB:.2f} | {row.output_bytes / GiB:.2f} | "
           f"{row.temp_bytes / GiB:.2f} | {row.peak_bytes / GiB:.2f} / {row.hbm_bytes / GiB:.2f} | {row.verdict} | "
-          f"{row.compile_seconds:.0f} | {row.flops / 1e12:.2f} | {row.bytes_accessed / 1e9:.2f} | "
+          f"{row.compile_seconds:.0f} ({row.compile_cpu_seconds:.0f} CPU, load {row.load_average:.1f}, "
+          f"{row.host_peak_bytes / 2 ** 30:.1f} GiB host) | {row.flops / 1e12:.2f} | {row.bytes_accessed / 1e9:.2f} | "
           f"{row.roofline_seconds * 1e3:.1f} | {tps} | {row.note} |")
 
 
-HEADER = ("| stage | call | args GiB | out GiB | temp GiB | peak / HBM GiB | verdict | compile s | TFLOP | GB moved | "
+HEADER = ("| stage | call | args GiB | out GiB | temp GiB | peak / HBM GiB | verdict | compile s (CPU s, load, host RAM) | TFLOP | GB moved | "
           "roofline ms | tokens/s | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 

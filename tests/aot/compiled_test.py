@@ -36,6 +36,7 @@ def test_every_stage_compiles_for_a_v5e_slice_and_fits(tmp_path):
     assert row["fits"], (name, row["verdict"])
     assert 0 < row["peak_bytes"] < row["hbm_bytes"], name
     assert row["flops"] > 0 and row["bytes_accessed"] > 0 and row["roofline_seconds"] > 0, name
+    assert row["compile_cpu_seconds"] > 0 and row["host_peak_bytes"] > 2 ** 27 and row["load_average"] >= 0, name
   # The target's weights are split over 'model': each chip holds about half of the tiny model's 10.4 MB of bf16
   # weights (5.2M parameters) beside the batch; replicated, they would be all of it.
   assert rows["forward"]["argument_bytes"] < 7.0e6
