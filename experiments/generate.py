@@ -1,12 +1,17 @@
 """Chat with the target LLM: load it, apply its chat template, decode, print (the AR baseline).
 
   python experiments/generate.py --config=configs/generate.py [--config.prompt="..."]
+
+With --config.distributed=True every process of a multi-host slice runs this same program over the global mesh
+(the target split over 'model', the questions over 'data'); each returns the same answers, and process 0 alone
+prints and writes them.
 """
 
 import json
 import os
 import time
 
+import jax
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -23,7 +28,7 @@ def run(config, workdir=None) -> list[dict]:
   """Loads `config.model`, answers each question greedily (or sampled), prints and returns them."""
   sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
-  sharding.require_single_process("Generation")
+  sharding.check_processes_agree(config, "Generation")
   target = layerwave.load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
   tok = target.tokenizer
   if tok is None or tok.chat_template is None:
@@ -35,11 +40,12 @@ def run(config, workdir=None) -> list[dict]:
   outs, stats = layerwave.generate(target, prompts, config.max_new_tokens, config.temperature,
                                    config.top_k, config.top_p, config.seed, return_stats=True)
   seconds = time.perf_counter() - start
-  records = []
-  for q, out in zip(questions, outs):
-    answer = tok.decode(out, skip_special_tokens=True)
-    print(f"\n>>> {q}\n{answer}")
-    records.append({"question": q, "answer": answer, "new_tokens": len(out)})
+  records = [{"question": q, "answer": tok.decode(out, skip_special_tokens=True), "new_tokens": len(out)}
+             for q, out in zip(questions, outs)]
+  if jax.process_index():  # every process holds the same answers; process 0 reports them
+    return records
+  for r in records:
+    print(f"\n>>> {r['question']}\n{r['answer']}")
   total = sum(r["new_tokens"] for r in records)
   print(f"\n{total} new tokens for {len(questions)} prompts in {seconds:.1f}s "
         f"(includes compilation; {stats['steps']} decode steps).")

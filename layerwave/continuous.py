@@ -14,6 +14,10 @@ JetStream's and MaxText's engines, B rows share one preallocated `KVCache [B, S]
   longest live context plus `chunk_steps`, rounded up to `READ_BUCKET` slots (one compilation per bucket),
   not the S slots preallocated for the longest prompt plus `max_new_tokens`.
 
+Across processes (a mesh over several hosts) every process runs this same host loop over the same global
+state: each holds the whole queue, and the finished flags, counts and tokens it decides from are gathered from
+every device (`sharding.to_host`), so all processes refill, stop and return alike.
+
 Results do not depend on the schedule. Greedy rows are those of `layerwave.generate` on each prompt alone (up
 to float summation order, which tests check on real prompts). When sampling, the token at answer position j
 of a request is drawn with `fold_in(fold_in(key(seed), request.seed_index), j)`: the same whichever row or
@@ -299,7 +303,7 @@ class Engine:
     live = [r for r in range(self.slots) if self.rows[r] is not None]
     if not live:
       return []
-    done, count = np.asarray(self.state.done), np.asarray(self.state.count)
+    done, count = self._flags()
     retire = np.zeros(self.slots, bool)
     finished = self._collect(done, count, retire, check_stop=False)
     live = [r for r in range(self.slots) if self.rows[r] is not None]
@@ -310,13 +314,18 @@ class Engine:
                            eos_ids=self.eos_ids, steps=self.chunk_steps, read_slots=read)
       self.stats["chunks"] += 1
       self.stats["row_steps"] += self.slots * self.chunk_steps
-      done, count = np.asarray(self.state.done), np.asarray(self.state.count)
+      done, count = self._flags()
       finished += self._collect(done, count, retire, check_stop=True)
       if retire.any():  # stopped rows with no request to replace them must not keep decoding
-        self.state = self.state.replace(done=self.state.done | jnp.asarray(retire))
+        self.state = self.state.replace(done=self.state.done | sharding.from_host(retire, self.state.done.sharding))
     self.stats["seconds"] += time.perf_counter() - tic
     self._log()
     return finished
+
+  def _flags(self) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's (done, count), gathered whole on every process: the refill and the collection decide from
+    these (and from tokens gathered the same way), so every process takes the same decisions."""
+    return sharding.to_host(self.state.done), sharding.to_host(self.state.count)
 
   def _collect(self, done, count, retire, check_stop) -> list[Finished]:
     rows = [r for r in range(self.slots) if self.rows[r] is not None]
@@ -330,12 +339,12 @@ class Engine:
         if not (check_stop and self.stop_fn is not None):
           continue
         if tokens is None:
-          tokens = np.asarray(self.state.tokens)
+          tokens = sharding.to_host(self.state.tokens)
         stop = bool(self.stop_fn(tokens[r, :count[r]].tolist()))
         if not stop:
           continue
       if tokens is None:
-        tokens = np.asarray(self.state.tokens)
+        tokens = sharding.to_host(self.state.tokens)
       row = tokens[r, :count[r]].tolist()
       if stop:
         reason = "stop"

@@ -144,11 +144,12 @@ def generate(target: Target, prompt_ids: Sequence[Sequence[int]], max_new_tokens
   slots = cache_slots(tokens.shape[1], max_new_tokens)
   batch = sharding.batch_sharding(target.mesh)
   out, steps = _generate(
-      target.graphdef, target.params, jax.device_put(tokens, batch),
-      jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
+      target.graphdef, target.params, sharding.from_host(tokens, batch),
+      sharding.from_host(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
       config=config, mesh=target.mesh, max_new_tokens=int(max_new_tokens), slots=slots, sampling=sampling,
       eos_ids=() if ignore_eos else target.eos_token_ids)
-  result = cut_after_eos(np.asarray(out)[:n], int(steps), () if ignore_eos else target.eos_token_ids)
+  # Every process gathers the whole batch (`to_host`), so each returns the same rows.
+  result = cut_after_eos(sharding.to_host(out)[:n], int(steps), () if ignore_eos else target.eos_token_ids)
   return (result, {"steps": int(steps)}) if return_stats else result
 
 

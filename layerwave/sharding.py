@@ -147,6 +147,17 @@ def global_batch(mesh: Mesh, tree):
   return jax.tree.map(put, tree)
 
 
+def from_host(x, where: NamedSharding) -> jax.Array:
+  """A host value every process holds whole and equal (prompts, their lengths) → a global array placed as
+  `where`. Each process supplies only the shards its own devices hold (with `where` split over 'data': the
+  rows of its data position), so no process sends or checks another's rows; with a single process it is a
+  plain `device_put`."""
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return jax.device_put(x, where)
+  return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
+
+
 def to_host(x) -> np.ndarray:
   """A global array's whole value on this host (all processes must call it: it gathers across them)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
