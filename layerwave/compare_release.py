@@ -35,8 +35,10 @@ ANALYSIS = "layer_stats.json"
 SETTINGS = "compare.json"
 # What a workdir's CPU-hours made (relative paths): everything else there is derived (results.md, plots) or
 # scratch (checkpoints).
+# A learned selection run inside the workdir (`layerwave.training.learned`, W/learned) keeps its gates, selections
+# and report.
 KEPT = ("probe.json", "cells/*/seed*/result.json", "cells/*/x*/seed*/result.json", "finalists/*/seed*.json",
-        "release/*.json")
+        "release/*.json", "learned/*.json", "learned/seed*/*.json")
 
 
 def _kept_files(workdir: str) -> list[str]:
