@@ -402,9 +402,15 @@ learned-pack: setup
 	    "--made-by=make learned-campaign (python $(call LEARNED_GATES,$(LEARNED_KIND),$(PAPER_RECIPE),$(PAPER)) --workdir=$(LEARNED)/compare/learned \
 	--config.draft_model.gate_strength=$(call LEARNED_STRENGTH,$(LEARNED_KIND)); python $(LEARNED_COMPARE))"
 
-# Gemma-3-270M at the size its store allows (`make paper-gemma` extracts it: 790 conversations, every depth 1-17):
-# the gated runs, scored against its 3-set sweep (too few sets for a Spearman p below 1/3).
+# Gemma-3-270M at the size its store allows (790 conversations, every depth 1-17; the stores of `make paper-gemma`,
+# extracted here from its released answers if absent): the gated runs, scored against its 3-set sweep (too few sets
+# for a Spearman p below 1/3).
 learned-gemma: setup
+	test -d $(GEMMA_PAPER)/distilled || $(PY) -m layerwave.data.release unpack $(GEMMA_ANSWERS_RELEASE) $(GEMMA_PAPER)/distilled
+	test -f $(GEMMA_PAPER)/distilled/manifest.json || $(PY) $(GEMMA_DISTILL)
+	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/features
+	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/heldout32 \
+	    --config.features.splits=heldout --config.features.dtype=float32
 	$(PY) experiments/learn_layers.py $(GEMMA_RECIPE) --config.train.features=$(GEMMA_PAPER)/features \
 	    --config.train.eval_features=$(GEMMA_PAPER)/heldout32 --config.learned.sweep=$(GEMMA_RELEASE) \
 	    --config.draft_model.fc_norm=True --config.draft_model.gates=$(LEARNED_KIND) \
