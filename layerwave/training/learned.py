@@ -377,6 +377,15 @@ def choose(pilot_dir: str) -> str:
     raise FileNotFoundError(f"{pilot_dir} holds no finished pilot run (<kind>/learned.json): run make learned-pilot.")
   kind, rows = choose_kind(summaries)
   atomic.write_json(os.path.join(pilot_dir, "choice.json"), {"kind": kind, "rows": rows})
+  table = ["| gates | top-3 gap | gated held-out sim τ | k = 3 | k = 5 | ρ vs the sweep's k = 3 sets | wall-minutes |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    s = summaries[r["kind"]]
+    table.append(f"| {'**' + r['kind'] + '**' if r['kind'] == kind else r['kind']} | {r['gap']:.2f} | "
+                 f"{r['sim_tau']:.3f} | {s['selections'].get('k3')} | {s['selections'].get('k5')} | "
+                 f"{r['predictor_rho'] if r['predictor_rho'] is None else format(r['predictor_rho'], '+.2f')} | "
+                 f"{r['minutes']:.1f} |")
+  atomic.write_text(os.path.join(pilot_dir, "choice.md"), "\n".join(table) + f"\n\nChosen: {kind}.\n")
   return kind
 
 
