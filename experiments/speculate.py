@@ -11,6 +11,10 @@ batches in alternation with speculation (`timing.paired_speedup`: `speculate.tim
 batch), giving the speedup as the median pair ratio and (greedy) a token-for-token equality check. Writes
 `W/spec_metrics.json` (config, aggregate and per-batch metrics) and `W/spec_generations.jsonl`, and prints a
 table. The evaluation is `layerwave.speculative.evaluate`'s.
+
+With --config.distributed=True every process of a multi-host slice runs this same program over the global mesh
+(the target and draft split over 'model', each batch's prompts over 'data'): every process holds the same
+outputs and τ, timings are the slowest process's, and process 0 alone writes and prints.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 from typing import Any
 
+import jax
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -38,7 +43,7 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
   """Decodes every prompt speculatively (paired with AR when `compare_ar`); returns the aggregate metrics."""
   sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
-  sharding.require_single_process("Speculative decoding")
+  sharding.check_processes_agree(config, "Speculative decoding")
   s = config.speculate
   settings = evaluate.DecodeSettings.from_config(s)
   target = load_target(config.model, dtype=config.dtype, mesh_spec=config.mesh)
@@ -50,6 +55,8 @@ def run(config, workdir: str, prompt: str | None = None) -> dict[str, Any]:
            evaluate.chat_prompts(target.tokenizer, s.dataset, int(s.num_prompts), chat_format=chat_format))
   ev = evaluate.evaluate(target, draft, [p for _, p in items], settings, int(config.seed), bool(s.compare_ar))
   summary = evaluate.summary(ev)
+  if jax.process_index():  # every process holds the same results; process 0 writes them
+    return summary
   atomic.write_json(os.path.join(workdir, "spec_metrics.json"),
                     {"config": config.to_dict(), "spec": summary, "batches": ev.per_batch}, default=str)
   atomic.write_text(os.path.join(workdir, "spec_generations.jsonl"), "".join(

@@ -172,6 +172,14 @@ def process_sum(value: int) -> int:
   return int(np.sum(multihost_utils.process_allgather(np.int64(value))))
 
 
+def process_max(value: float) -> float:
+  """The largest over processes of a per-process host value, e.g. a call's wall seconds: a program that spans
+  hosts ends when its slowest process does (every process must call it)."""
+  if jax.process_count() == 1:
+    return float(value)
+  return float(np.max(multihost_utils.process_allgather(np.float64(value))))
+
+
 def check_batch(mesh: Mesh, batch: int) -> None:
   """Raises a clear error when the batch cannot be split evenly over the data axis."""
   n = data_size(mesh)

@@ -333,7 +333,8 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
     (one list of new tokens per prompt, cut after its first EOS; metrics dict with `tau` (new tokens per
     verification, bonus included), `acceptance` (per depth i, the rate at which a drafted token at depth
     i + 1 was accepted given its path so far was), `accept_length_hist`, `verify_calls`, `steps`,
-    `new_tokens`, `seconds` (wall time, compilation included on the first call), `tokens_per_s`,
+    `new_tokens`, `seconds` (this process's wall time, compilation included on the first call; the callers that
+    time, `run_batches` and `timing`, take the slowest process's outside the call), `tokens_per_s`,
     `accept_lengths` (per prompt, the drafted tokens accepted by each of its verifications, in order)).
   """
   sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
@@ -357,16 +358,17 @@ def generate(target: Target, draft: Any, prompt_ids: Sequence[Sequence[int]], ma
   start = time.perf_counter()
   state = _speculate(
       target.graphdef, target.params, loaded.graphdef, loaded.params,
-      jax.device_put(tokens, sharding.batch_sharding(target.mesh)),
-      jax.device_put(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
+      sharding.from_host(tokens, sharding.batch_sharding(target.mesh)),
+      sharding.from_host(lengths, sharding.batch_sharding(target.mesh, 1)), jax.random.key(seed),
       config=config, mesh=target.mesh, layer_ids=tuple(loaded.config.layer_ids),
       max_new_tokens=int(max_new_tokens), slots=slots, sampling=sampling, options=options,
       eos_ids=eos_ids)
-  out, hist, trace, steps = jax.device_get((state.tokens, state.accept_hist, state.accept_trace,
-                                            state.step))
+  # Gathered whole on every process (a multi-host mesh splits the rows over 'data'): all return the same.
+  out, hist, trace, steps = map(sharding.to_host, (state.tokens, state.accept_hist, state.accept_trace,
+                                                   state.step))
   seconds = time.perf_counter() - start
-  result = cut_after_eos(np.asarray(out)[:n], int(max_new_tokens), eos_ids)
-  metrics = acceptance_metrics(np.asarray(hist)[:n])
+  result = cut_after_eos(out[:n], int(max_new_tokens), eos_ids)
+  metrics = acceptance_metrics(hist[:n])
   new_tokens = sum(len(r) for r in result)
   metrics.update(steps=int(steps), new_tokens=new_tokens, seconds=seconds,
                  tokens_per_s=new_tokens / seconds, method=options.method,
@@ -379,8 +381,9 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
 
   `fn` is `layerwave.generate` (with `return_stats=True`) or `layerwave.speculative.generate` bound to a
   target, draft and settings. With `warmup`, the first batch is decoded once first so that compilation stays
-  outside the clock. Its seconds are one function's throughput at the time it ran, not a speedup: dividing
-  them by another run's seconds compares two states of the machine. Speedups come from
+  outside the clock. A call's seconds are the slowest process's (`sharding.process_max`). Its seconds are one
+  function's throughput at the time it ran, not a speedup: dividing them by another run's seconds compares two
+  states of the machine. Speedups come from
   `layerwave.speculative.timing.paired_speedup`, which times both on the same batches in alternation.
 
   Returns:
@@ -394,7 +397,7 @@ def run_batches(fn, prompts: Sequence[Sequence[int]], batch_size: int, warmup: b
   for ids in batches:
     start = time.perf_counter()
     out, m = fn(ids)
-    dt = time.perf_counter() - start
+    dt = sharding.process_max(time.perf_counter() - start)
     seconds += dt
     outs.extend(out)
     row = {"seconds": dt, "new_tokens": sum(len(o) for o in out)}

@@ -7,7 +7,9 @@ timed once and speculation timed minutes later gives a ratio of two different ma
 decoded by both, back to back, `repeats` times, in ABBA order (plain first in even pairs, speculative first in
 odd ones, so a linear drift cancels), after one untimed warm-up of each (compilation outside the clock).
 Each pair gives one ratio of tokens per second (speculative ÷ plain: at T > 0 the two may emit different
-numbers of tokens); the speedup is the median ratio, with its quartiles and range over the pairs.
+numbers of tokens); the speedup is the median ratio, with its quartiles and range over the pairs. Across
+processes (a multi-host mesh) every call's seconds are the slowest process's (`sharding.process_max`): the
+program ends when its last process does, and every process then holds the same timings and ratios.
 
 Where a speedup comes from: when both functions report their loop's `steps` (plain decode steps; speculative
 iterations, each one draft + verify), the speedup splits into two measured factors,
@@ -30,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from layerwave import sharding
 from layerwave.speculative import decode as decode_lib
 
 __all__ = ["PairedTiming", "combine", "paired_speedup"]
@@ -117,10 +120,10 @@ def _check(prompts: Sequence[Sequence[int]], batch_size: int, repeats: int) -> N
 
 
 def _call(fn: DecodeFn, ids: list, which: str) -> tuple[list, dict, float]:
-  """One timed call: (outputs, metrics, seconds)."""
+  """One timed call: (outputs, metrics, seconds; the slowest process's)."""
   start = time.perf_counter()
   result = fn(ids)
-  seconds = time.perf_counter() - start
+  seconds = sharding.process_max(time.perf_counter() - start)
   if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
     raise TypeError(f"{which} must return (new-token lists, metrics dict), like layerwave.generate with "
                     f"return_stats=True; got {type(result).__name__}.")
