@@ -104,6 +104,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.analysis.normalized_entropy = False  # E divided by log(min(n, D))
   c.analysis.cka = "minibatch"  # C: "minibatch" (unbiased HSIC) | "exact" (token subsample)
   c.analysis.hsic_batch_size = 256  # tokens per HSIC minibatch
+  # Growth between the prompt entropy's eigendecomposition sizes (compacted lengths 16, 24, 32, ...): the same
+  # values at any ratio; each size compiles once, so long T at scale takes a coarser ladder (configs/scale.py).
+  c.analysis.ladder_ratio = 1.3
   c.analysis.exact_cka_tokens = 2048  # exact-CKA subsample of kept tokens (0 = off; cka="exact" needs it)
   c.analysis.include_embeddings = False  # candidate id 0
   c.analysis.include_final = False  # candidate id L

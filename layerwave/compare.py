@@ -334,6 +334,7 @@ def fingerprint_settings(config) -> dict[str, Any]:
     a = config.analysis
     collect_options = dataclasses.asdict(collect_lib.options_from_config(a))
     collect_options.pop("log_every")
+    collect_options.pop("ladder_ratio")  # how the entropy's eigendecompositions are padded: the same values
     out["analysis"] = {**collect_options, **dataclasses.asdict(report_lib.selection_options_from_config(a)),
                        "split": options_lib.convert(a.split, str, "analysis.split"),
                        "batch_size": options_lib.convert(a.batch_size, int, "analysis.batch_size")}

@@ -93,6 +93,8 @@ class CollectOptions:
     alpha: Rényi order of the matrix entropy.
     normalize: Skean normalisation (centre, unit rows).
     hsic_batch_size: tokens per minibatch of the unbiased HSIC.
+    ladder_ratio: growth between the compacted lengths of the prompt entropy's eigendecompositions
+      (`stats.init`): 1.3 wastes least work; a coarser ladder (2) compiles far fewer sizes at long T.
     exact_cka_tokens: size of the token subsample for exact CKA (filtered statistics; 0 = none).
     unfiltered: the statistics without the filter: "matched" (default) — in each sequence a uniform random
       subset of its eligible tokens as large as its kept set, so both sides have the same n per sequence
@@ -116,6 +118,7 @@ class CollectOptions:
   alpha: float = 1.0
   normalize: bool = True
   hsic_batch_size: int = 256
+  ladder_ratio: float = entropy_lib.LADDER_RATIO
   exact_cka_tokens: int = 0
   unfiltered: str = "matched"
   halves: bool = True
@@ -135,6 +138,9 @@ class CollectOptions:
       raise ValueError(f"temperature must be > 0, got {self.temperature}")
     if self.alpha <= 0:
       raise ValueError(f"Rényi order alpha must be > 0, got {self.alpha}")
+    if not self.ladder_ratio > 1.0:
+      raise ValueError(f"analysis.ladder_ratio must be > 1, got {self.ladder_ratio}; set "
+                       "--config.analysis.ladder_ratio=2 (or leave it at 1.3)")
     if self.unfiltered not in _UNFILTERED:
       raise ValueError(f"unknown unfiltered mode {self.unfiltered!r}; use one of {_UNFILTERED}")
     if self.num_batches < 0 or self.max_tokens < 0:
@@ -305,6 +311,7 @@ def empty_state(config, options: CollectOptions, mesh=None) -> dict:
   """
   make = functools.partial(stats_lib.init, config.num_layers + 1, config.hidden_size, alpha=options.alpha,
                            normalize=options.normalize, hsic_batch_size=options.hsic_batch_size,
+                           ladder_ratio=options.ladder_ratio,
                            shards=1 if mesh is None else mesh.devices.size)
   state = {"filtered": make(buffer_size=options.exact_cka_tokens), "tokens": _token_state(config.num_layers + 1)}
   if options.unfiltered != "none":

@@ -230,7 +230,10 @@ def _matrix_entropy_jit(z, alpha, normalize):
   return masked_matrix_entropy(z, jnp.ones(z.shape[:1], bool), alpha, normalize)[0]
 
 
-def bucket_sizes(length: int, dim: int, smallest: int = 16, ratio: float = 1.3) -> tuple[int, ...]:
+LADDER_RATIO = 1.3  # `bucket_sizes`' default growth between rungs
+
+
+def bucket_sizes(length: int, dim: int, smallest: int = 16, ratio: float = LADDER_RATIO) -> tuple[int, ...]:
   """Static ladder of compacted lengths for `prompt_entropy` (each ≈ `ratio` × the previous, multiples of 8).
 
   The ladder stops at min(length, dim); when length > dim a last rung of `length` keeps the padded shape, where

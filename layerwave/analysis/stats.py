@@ -79,6 +79,7 @@ class LayerStatsAccumulator:
   alpha: float = flax.struct.field(pytree_node=False, default=1.0)
   normalize: bool = flax.struct.field(pytree_node=False, default=True)
   hsic_batch_size: int = flax.struct.field(pytree_node=False, default=256)
+  ladder_ratio: float = flax.struct.field(pytree_node=False, default=entropy_lib.LADDER_RATIO)
   num_layers_plus_one: int = flax.struct.field(pytree_node=False, default=0)  # L1, the real layers
 
   @property
@@ -147,6 +148,7 @@ def init(
     hsic_batch_size: int = 256,
     buffer_size: int = 0,
     shards: int = 1,
+    ladder_ratio: float = entropy_lib.LADDER_RATIO,
 ) -> LayerStatsAccumulator:
   """Empty accumulator.
 
@@ -159,6 +161,9 @@ def init(
     buffer_size: tokens kept for exact CKA (0 = none).
     shards: devices the layer axis will be split over (`update(..., mesh=)`): the layer axis is padded up to
       a multiple of it with dummy layers.
+    ladder_ratio: growth between the compacted lengths of the prompt entropy's eigendecompositions
+      (`entropy.bucket_sizes`): each rung is one more eigendecomposition size to compile, so a coarser ladder
+      compiles faster at long T (the same values; a kept count pads to a larger rung).
 
   Returns:
     LayerStatsAccumulator of zeros.
@@ -171,6 +176,8 @@ def init(
     raise ValueError(f"buffer_size must be >= 0, got {buffer_size}")
   if shards < 1:
     raise ValueError(f"shards must be >= 1, got {shards}")
+  if not float(ladder_ratio) > 1.0:
+    raise ValueError(f"ladder_ratio must be > 1, got {ladder_ratio}; set e.g. --config.analysis.ladder_ratio=2")
   d = int(dim)
   l1 = -(-int(num_layers_plus_one) // shards) * shards
   f32, i32 = jnp.float32, jnp.int32
@@ -190,6 +197,7 @@ def init(
       alpha=float(alpha),
       normalize=bool(normalize),
       hsic_batch_size=int(hsic_batch_size),
+      ladder_ratio=float(ladder_ratio),
       num_layers_plus_one=int(num_layers_plus_one),
   )
 
@@ -323,7 +331,8 @@ def _update_local(acc: LayerStatsAccumulator, hidden: jax.Array, keep: jax.Array
 
   bad = entropy_lib.nonfinite_layers(hidden, keep).astype(jnp.int32)
 
-  h, hn = entropy_lib.prompt_entropy(hidden, keep, acc.alpha, acc.normalize)  # per layer of the block, per sequence
+  buckets = entropy_lib.bucket_sizes(t, hidden.shape[-1], ratio=acc.ladder_ratio)
+  h, hn = entropy_lib.prompt_entropy(hidden, keep, acc.alpha, acc.normalize, buckets)  # per layer of the block, per sequence
   prompt_ok = (n_seq >= 2).astype(jnp.float32)
   pe_sum = acc.prompt_entropy_sum + jnp.sum(h * prompt_ok, axis=-1)
   pen_sum = acc.prompt_entropy_norm_sum + jnp.sum(hn * prompt_ok, axis=-1)
@@ -381,7 +390,7 @@ def merge(a: LayerStatsAccumulator, b: LayerStatsAccumulator) -> LayerStatsAccum
   Returns:
     The merged accumulator.
   """
-  for name in ("alpha", "normalize", "hsic_batch_size", "num_layers_plus_one"):
+  for name in ("alpha", "normalize", "hsic_batch_size", "ladder_ratio", "num_layers_plus_one"):
     if getattr(a, name) != getattr(b, name):
       raise ValueError(f"cannot merge accumulators with different {name}: {getattr(a, name)} vs {getattr(b, name)}")
   if a.buffer.shape != b.buffer.shape or a.pooled_sum.shape != b.pooled_sum.shape:

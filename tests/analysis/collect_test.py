@@ -319,3 +319,6 @@ def test_options_from_the_analysis_section():
     collect.options_from_config(section)
   with pytest.raises(ValueError, match=r"analysis\.stability must be True or False"):
     collect.options_from_config({**section.to_dict(), "normalize": "skean", "stability": 1})
+  assert options.ladder_ratio == section.ladder_ratio == 1.3
+  with pytest.raises(ValueError, match=r"analysis\.ladder_ratio must be > 1, got 0\.9"):
+    collect.options_from_config({**section.to_dict(), "normalize": "skean", "ladder_ratio": 0.9})
