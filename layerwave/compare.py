@@ -42,6 +42,7 @@ from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import plots
 from layerwave import selection as selection_lib
+from layerwave import sharding
 from layerwave.analysis import analyze
 from layerwave.analysis import collect as collect_lib
 from layerwave.analysis import compartments as compartments_lib
@@ -577,6 +578,10 @@ def run(config, workdir: str) -> dict[str, Any]:
   """Runs (or resumes) the comparison in `workdir`; returns the summary (also written as JSON/markdown)."""
   if not workdir:
     raise ValueError("compare needs --workdir: the folder for cells/, results.md and plots/.")
+  # Multi-host when asked, as every launcher: its stages (analysis, training, evaluation) then run over the
+  # global mesh; processes started with other configs would each sweep their own cells, so they are refused.
+  sharding.maybe_initialize_distributed(config.distributed)
+  sharding.check_processes_agree(config, "The layer-set comparison")
   cmp = CompareOptions.from_config(config.compare)
   seeds = cmp.seed_list
   os.makedirs(workdir, exist_ok=True)
