@@ -12,9 +12,10 @@ Legend (`layerwave.axes`): V target vocabulary, D target width.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -178,6 +179,38 @@ def process_max(value: float) -> float:
   if jax.process_count() == 1:
     return float(value)
   return float(np.max(multihost_utils.process_allgather(np.float64(value))))
+
+
+def broadcast_json(value: Any) -> Any:
+  """Process 0's JSON-able `value` on every process (every process must call it; the others' `value` is
+  ignored)."""
+  if jax.process_count() == 1:
+    return value
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+  size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
+  if jax.process_index():
+    data = np.zeros(size, np.uint8)
+  return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(data)).tobytes().decode())
+
+
+def on_process_0(fn: Callable[[], Any]) -> Any:
+  """`fn()` run by process 0 alone (what reads and writes a stage's workdir, so that a workdir no other host sees
+  still decides for all), its JSON-able result returned on every process. An error `fn` raises is raised on every
+  process (on the others as a ValueError with its message), so all stop together instead of waiting for each
+  other in the next collective."""
+  if jax.process_count() == 1:
+    return fn()
+  if jax.process_index() == 0:
+    try:
+      value = fn()
+    except Exception as e:  # every process must leave the broadcast below, whatever went wrong
+      broadcast_json({"error": f"{type(e).__name__}: {e}"})
+      raise
+    return broadcast_json({"value": value})["value"]
+  out = broadcast_json(None)
+  if "error" in out:
+    raise ValueError(f"Process 0 stopped: {out['error']}")
+  return out["value"]
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:

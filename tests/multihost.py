@@ -63,6 +63,20 @@ def run_here(script: str, *args: Any) -> Any:
   return json.loads(json.dumps(results[0]))  # as a process would have passed it
 
 
+def launch(argv: list[str], num_processes: int = 2) -> list[subprocess.Popen]:
+  """Starts a launcher's command line `argv` as the `num_processes` JAX processes of one distributed run (one CPU
+  device each; stdout discarded, stderr piped for the failure message) and returns them running: for tests that
+  stop one mid-run."""
+  address = f"127.0.0.1:{_free_port()}"
+  procs = []
+  for i in range(num_processes):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=address, PYTHONPATH=REPO,
+               JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i))
+    env.pop("XLA_FLAGS", None)
+    procs.append(subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+  return procs
+
+
 def run_in_processes(script: str, tmp_path, *args: Any, num_processes: int = 2, timeout: int = 600) -> list:
   """Runs `script` (Python source, dedented) in `num_processes` JAX processes; returns their results."""
   address = f"127.0.0.1:{_free_port()}"

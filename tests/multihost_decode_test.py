@@ -7,10 +7,22 @@ one, greedy and sampled: a row's tokens depend on its prompt and the seed, not o
 """
 
 import json
+import os
+import signal
+import sys
+import time
 
 import pytest
 
+import layerwave
+from layerwave import layer_ids
+from layerwave import options as options_lib
+from layerwave.data import distill
+from layerwave.data.options import DistillOptions
+
+from tests import configs
 from tests import multihost
+from tests.speculative.conftest import make_draft, overfit_draft
 
 # The two layouts of two one-device processes, by name; the reference runs on this process's one device.
 MESHES = {"model": (("data", -1), ("model", 2)), "data": (("data", -1),)}
@@ -72,9 +84,6 @@ def test_generate_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path, me
 def overfit_draft_dir(tiny_chat_target_dir, tmp_path_factory):
   """An EAGLE-3 directory of a draft overfit to the tiny target's greedy continuations of `_PROMPTS` (so that it
   accepts often and long paths are committed), which every process loads by path, as a trained draft."""
-  import layerwave  # pylint: disable=g-import-not-at-top
-  from layerwave import layer_ids  # pylint: disable=g-import-not-at-top
-  from tests.speculative.conftest import make_draft, overfit_draft  # pylint: disable=g-import-not-at-top
   target = layerwave.load_target(tiny_chat_target_dir)
   continuations = layerwave.generate(target, _PROMPTS, 24, ignore_eos=True)
   ids = layer_ids.eagle3_layer_ids(target.config.num_layers)
@@ -143,3 +152,65 @@ def test_speculative_decoding_in_two_processes_equals_one(tiny_chat_target_dir, 
   metrics = tmp_path / "speculate-2" / "launcher" / "spec_metrics.json"
   assert json.loads(metrics.read_text())["spec"]["prompts"] == 2  # written once, by process 0
 
+
+_DISTILL = """
+from layerwave.data import distill
+from tests import configs
+config = configs.load("smoke")
+config.model, config.distributed = ARGS[0], DISTRIBUTED
+config.mesh = tuple(tuple(axis) for axis in json.loads(ARGS[1]))
+out = {}
+for name, changes in {"greedy-slots": {}, "sampled-static": {"temperature": 1.0, "slots": 0}}.items():
+  for key, value in changes.items():
+    config.distill[key] = value
+  manifest = distill.run(config, os.path.join(ARGS[2], name))
+  out[name] = {"content": manifest["dataset"]["content"], "output": manifest["output"]}
+write_result(out)
+"""
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_distillation_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path, mesh):
+  """The smoke distillation (continuous batching greedy, static batches sampled): the same conversations as one
+  process, chunks and dataset written once, by process 0; both processes return its manifest."""
+  one, two = _runs(_DISTILL, tmp_path, "distill", tiny_chat_target_dir, mesh=mesh)
+  assert two[0] == two[1]
+  for name in one:
+    assert two[0][name]["content"] == one[name]["content"], name
+    assert two[0][name]["output"]["conversations"] == one[name]["output"]["conversations"] == 8
+  for name in one:
+    chunks = sorted(p.name for p in (tmp_path / "distill-2" / name / "chunks").iterdir())
+    assert chunks == ["00000.json", "00001.json"]  # no temporary file left beside them
+
+
+def test_a_killed_process_stops_the_other_and_a_restart_of_both_resumes(tiny_chat_target_dir, tmp_path):
+  """experiments/distill.py in two processes: process 1 killed once chunk 0 is written stops process 0 within a
+  bounded time with nothing half-written; both restarted finish the run with the conversations of one process,
+  without duplicates or gaps."""
+  workdir = tmp_path / "pod"
+  argv = [sys.executable, os.path.join(multihost.REPO, "experiments", "distill.py"),
+          "--config=" + os.path.join(configs.CONFIGS, "smollm2_135m.py") + ":smoke",
+          "--config.model=" + tiny_chat_target_dir, "--config.distributed=True", "--workdir=" + str(workdir)]
+  procs = multihost.launch(argv)
+  first = workdir / "chunks" / "00000.json"
+  deadline = time.time() + 400
+  while not first.exists() and all(p.poll() is None for p in procs) and time.time() < deadline:
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGKILL)
+  assert first.exists(), procs[0].communicate(timeout=60)[1].decode()[-4000:]
+  stopped = time.time()
+  _, log = procs[0].communicate(timeout=300)  # JAX's runtime ends it once process 1's heartbeats stop
+  procs[1].wait()
+  assert procs[0].returncode != 0, log.decode()[-4000:]
+  print(f"process 0 stopped {time.time() - stopped:.0f} s after process 1 was killed")
+  assert not (workdir / "manifest.json").exists()
+  assert [p.name for p in sorted((workdir / "chunks").iterdir())] == ["00000.json"]  # nothing half-written
+  for p in multihost.launch(argv):
+    _, log = p.communicate(timeout=600)
+    assert p.returncode == 0, log.decode()[-4000:]
+  target = layerwave.load_target(tiny_chat_target_dir)
+  options = options_lib.from_section(DistillOptions, configs.load("smoke").distill, "distill")
+  reference = distill.distill(target, options, str(tmp_path / "one"))
+  resumed = json.loads((workdir / "manifest.json").read_text())
+  assert resumed["dataset"]["content"] == reference["dataset"]["content"]
+  assert resumed["dataset"]["num_examples"] == reference["dataset"]["num_examples"] == 8

@@ -108,6 +108,7 @@ def test_online_training_with_a_bfloat16_forward_in_two_processes_equals_one(tin
 
 _REFUSALS = _TRAIN_CONFIG + """
 import copy
+from layerwave import compare
 from layerwave.data import distill
 
 
@@ -119,11 +120,15 @@ def refusal(run):
     return str(e)
 
 
-errors = {"distill": refusal(lambda: distill.run(config, os.path.join(ARGS[1], "distill")))}
 disagree = copy.deepcopy(config)
 if PROCESS == 1:
   disagree.train.lr = 5e-3
-errors["disagree"] = refusal(lambda: loop.run(disagree, os.path.join(ARGS[1], "disagree")))
+errors = {"disagree": refusal(lambda: loop.run(disagree, os.path.join(ARGS[1], "disagree"))),
+          "distill": refusal(lambda: distill.run(disagree, os.path.join(ARGS[1], "distill"))),
+          "compare": refusal(lambda: compare.run(disagree, os.path.join(ARGS[1], "compare")))}
+wide = copy.deepcopy(config)
+wide.mesh = (("data", -1), ("model", 3))
+errors["mesh"] = refusal(lambda: distill.run(wide, os.path.join(ARGS[1], "mesh")))
 odd = copy.deepcopy(config)
 odd.train.batch_size = 3
 errors["odd"] = refusal(lambda: loop.run(odd, os.path.join(ARGS[1], "odd")))
@@ -132,16 +137,20 @@ write_result(errors)
 
 
 def test_two_processes_are_refused_before_any_work_where_they_cannot_run(tiny_chat_target_dir, tmp_path):
-  """In one pair of processes: a single-process stage (distillation), processes started with different
-  configs, and a global batch the processes cannot split are each refused by both, before anything is written."""
+  """In one pair of processes: processes started with different configs (training, distillation, the layer-set
+  comparison), a mesh the processes' devices cannot fill, and a global batch the processes cannot split are each
+  refused by both, before anything is written."""
   errors = _stage(_REFUSALS, tmp_path, "refused", tiny_chat_target_dir, num_processes=2)
-  expected = {"distill": "Distillation runs in one JAX process, not 2",
+  expected = {"distill": "Distillation: processes [1] were started with a config other than process 0's",
+              "compare": "The layer-set comparison: processes [1] were started with a config other than process 0's",
+              "mesh": "does not fit 2 devices",
               "disagree": "processes [1] were started with a config other than process 0's",
               "odd": "Batch size 3 is not divisible by the mesh's 'data' axis (2 devices)"}
   for name, message in expected.items():
     assert all(message in e[name] for e in errors), (name, errors)
   workdir = tmp_path / "refused-2"
-  assert not (workdir / "distill").exists()
+  assert not (workdir / "distill").exists() and not (workdir / "mesh").exists()
+  assert not (workdir / "compare").exists()
   assert not (workdir / "disagree" / "checkpoints").exists() and not (workdir / "odd" / "checkpoints").exists()
 
 

@@ -40,6 +40,14 @@ and tokenizer fingerprints, sampling, budgets, prompt selection); a workdir hold
 refused. Run-length settings (`num_prompts`, `batch_size`) may change: a larger `num_prompts` extends a
 finished dataset (prompt selection is prefix-stable). When every chunk is done, the array_record dataset is
 (re)built from the chunks into `dataset/` and `manifest.json` is written last.
+
+Across processes (`distributed`, a multi-host slice) every process runs the same decoding over the global mesh
+(`layerwave.generate` and continuous batching decide from values gathered from every device), and process 0
+alone reads and writes the workdir (`sharding.on_process_0`): it checks the settings, says which chunks are
+left, writes each chunk as it completes and builds the dataset, and every process follows its word, so a workdir
+only process 0 sees still works. A process that dies stops the others (JAX's distributed runtime ends them when
+its heartbeats stop: within the heartbeat timeout, 100 s by default); the chunks written so far are whole, and a
+restart of every process resumes from them.
 """
 
 from __future__ import annotations
@@ -164,7 +172,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
               "dtype": str(np.dtype(target.model.compute_dtype)), "format_version": FORMAT_VERSION}
   settings = {**options.settings(), **identity}
   fingerprint = options_lib.fingerprint(settings)
-  distilled.check_settings(workdir, settings, fingerprint)
+  sharding.on_process_0(lambda: distilled.check_settings(workdir, settings, fingerprint))
 
   if records is None:
     records = sources.get_source(options.source)
@@ -181,13 +189,15 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
 
   size = options.chunk_size
   num_chunks = -(-len(prompts) // size)
-  chunks, todo = [], []
-  for k in range(num_chunks):
-    ids = [p.record.id for p in prompts[k * size:(k + 1) * size]]
-    chunk = distilled.read_chunk(workdir, k, ids, fingerprint)
-    chunks.append(chunk)
-    if chunk is None:
-      todo.append(k)
+  chunks: list[dict[str, Any] | None] = [None] * num_chunks  # on process 0: the workdir's finished chunks
+
+  def chunks_left() -> list[int]:
+    for k in range(num_chunks):
+      chunks[k] = distilled.read_chunk(workdir, k, [p.record.id for p in prompts[k * size:(k + 1) * size]],
+                                       fingerprint)
+    return [k for k in range(num_chunks) if chunks[k] is None]
+
+  todo = sharding.on_process_0(chunks_left)
   if len(todo) < num_chunks:
     logging.info("Resuming: %d of %d chunks already done.", num_chunks - len(todo), num_chunks)
   run_seconds, run_tokens = 0.0, 0
@@ -207,7 +217,7 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
     part = prompts[k * size:(k + 1) * size]
     chunk = {"chunk": k, "fingerprint": fingerprint, "ids": [p.record.id for p in part],
              "stats": stats, "records": conversations}
-    distilled.write_chunk(workdir, chunk)
+    sharding.on_process_0(lambda: distilled.write_chunk(workdir, chunk))  # pylint: disable=cell-var-from-loop
     chunks[k] = chunk
     run_seconds += stats["seconds"]
     run_tokens += stats["tokens_written"]
@@ -217,7 +227,8 @@ def distill(target: Target, options: DistillOptions, workdir: str, *, model: str
                  stats["conversations"], stats["tokens_written"], stats["generated_tokens"], stats["seconds"],
                  run_tokens / max(run_seconds, 1e-9), sum(c["stats"]["loops_cut"] for c in chunks if c), left,
                  _duration(run_seconds / (done + 1) * left))
-  return _finish(workdir, chunks, counts, options, identity, fingerprint, model, target, wall)
+  return sharding.on_process_0(
+      lambda: _finish(workdir, chunks, counts, options, identity, fingerprint, model, target, wall))
 
 
 def _duration(seconds: float) -> str:
@@ -298,7 +309,7 @@ def run(config, workdir: str) -> dict[str, Any]:
                                      chat_format=config.data.chat_format)
   sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
-  sharding.require_single_process("Distillation")
+  sharding.check_processes_agree(config, "Distillation")
   mesh = sharding.make_mesh(config.mesh)
   target = load_target(config.model, dtype=config.dtype, mesh=mesh)
   manifest = distill(target, options, workdir, model=config.model)
