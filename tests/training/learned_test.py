@@ -20,7 +20,7 @@ from layerwave.training import features
 from layerwave.training import learned
 from layerwave.training import loop
 from layerwave.training import restore
-from layerwave.training.options import Recipe
+from layerwave.training.options import Recipe, expand_home
 from tests import configs
 
 DATA = DataOptions(source="sharegpt", max_length=64, max_records=60, heldout_fraction=0.2)
@@ -197,3 +197,28 @@ def test_a_learned_selection_file_reads_as_compare_manual(tmp_path):
   path = tmp_path / "selection.json"
   path.write_text(json.dumps(learned.selection_file(gates, (5, 3), 30, 576)))
   assert learned.manual_sets(str(path)) == "6,13,20;5,6,13,20,27"  # ties go to the shallower
+
+
+def test_a_campaign_release_keeps_the_gates_beside_the_sweeps_cells(tmp_path):
+  from layerwave import compare_release  # pylint: disable=g-import-not-at-top
+  work, analysis = tmp_path / "compare", tmp_path / "analysis"
+  with open(os.path.join(RELEASE, "compare.json")) as f:
+    recorded = json.load(f)
+  recorded["settings"]["compare"]["analysis"] = str(analysis)  # the statistics in tmp_path, not under ~/
+  with open(os.path.join(RELEASE, "results.json")) as f:
+    cells = json.load(f)
+  files = {"compare.json": recorded, "cells/L2-15-27/seed0/result.json": cells["cells/L2-15-27/seed0/result.json"],
+           "learned/learned.json": {"kind": "softmax"}, "learned/seed0/gates.json": {"seed": 0},
+           "learned/seed0/checkpoints/1/meta.json": {"step": 1}}
+  for rel, content in files.items():
+    os.makedirs(os.path.dirname(work / rel), exist_ok=True)
+    (work / rel).write_text(json.dumps(content))
+  os.makedirs(analysis)
+  with open(os.path.join(RELEASE, "layer_stats.json")) as f:  # released with "~/" for the home directory
+    (analysis / "layer_stats.json").write_text(json.dumps(expand_home(json.load(f))))
+  compare_release.pack(str(work), str(tmp_path / "release"))
+  with open(tmp_path / "release" / "results.json") as f:
+    kept = sorted(json.load(f))
+  assert kept == ["cells/L2-15-27/seed0/result.json", "learned/learned.json", "learned/seed0/gates.json"]
+  compare_release.unpack(str(tmp_path / "release"), str(tmp_path / "again"))  # checkpoints stayed out
+  assert json.loads((tmp_path / "again" / "learned" / "seed0" / "gates.json").read_text()) == {"seed": 0}
