@@ -27,6 +27,9 @@ from tests.speculative.conftest import make_draft, overfit_draft
 # The two layouts of two one-device processes, by name; the reference runs on this process's one device.
 MESHES = {"model": (("data", -1), ("model", 2)), "data": (("data", -1),)}
 ONE = (("data", -1),)
+# The default suite runs speculative decoding and distillation with the target split over the processes
+# (model=2); with the batch split (data=2) they run in `make test-all`, as generation checks both in every run.
+SLOW_DATA_MESH = ["model", pytest.param("data", marks=pytest.mark.slow)]
 
 
 def _runs(script, tmp_path, name, *args, mesh):
@@ -134,7 +137,7 @@ write_result(out)
 """
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("mesh", SLOW_DATA_MESH)
 def test_speculative_decoding_in_two_processes_equals_one(tiny_chat_target_dir, overfit_draft_dir, tmp_path,
                                                           mesh):
   """Chain and tree, greedy and sampled (and drafts sampled from q), the evaluation's τ and paired stages, and
@@ -169,7 +172,7 @@ write_result(out)
 """
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
+@pytest.mark.parametrize("mesh", SLOW_DATA_MESH)
 def test_distillation_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path, mesh):
   """The smoke distillation (continuous batching greedy, static batches sampled): the same conversations as one
   process, chunks and dataset written once, by process 0; both processes return its manifest."""
@@ -183,6 +186,7 @@ def test_distillation_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path
     assert chunks == ["00000.json", "00001.json"]  # no temporary file left beside them
 
 
+@pytest.mark.slow  # waits out JAX's 100 s heartbeat: `make test-all`
 def test_a_killed_process_stops_the_other_and_a_restart_of_both_resumes(tiny_chat_target_dir, tmp_path):
   """experiments/distill.py in two processes: process 1 killed once chunk 0 is written stops process 0 within a
   bounded time with nothing half-written; both restarted finish the run with the conversations of one process,
