@@ -23,6 +23,23 @@ Layer-id conventions at this boundary, read from the engines' source:
 * vLLM and SGLang both build `fc` as `3 * target_hidden_size → hidden_size`: only k = 3 drafts load there.
 * Both run the draft in the target's dtype, casting the file's tensors on load.
 
+EAGLE-3.1's per-layer norms (layerwave's `draft_model.fc_norm`), read from the engines' and trainers' source:
+top-level `"fc_norm": true` builds one RMSNorm per captured layer, `fc_norm.{i}.weight` of shape
+`[target_hidden_size]` with eps `rms_norm_eps`, applied to chunk i of the concatenated captures (layer-id
+order) before `fc`: `fc(concat(norm_i(h_i)))`. That is layerwave's `Draft.fuse` exactly (learned scale, one
+norm per layer, not one over the concatenation, which is the different `norm_before_fc`). Sources: vLLM
+`vllm/model_executor/models/llama_eagle3.py` (`LlamaModel.fc_norm`, applied in
+`Eagle3LlamaForCausalLM.combine_hidden_states`; vllm PR #42764), SGLang
+`python/sglang/srt/models/llama_eagle3.py` (`LlamaModel.fc_norm`, also under the legacy flag `use_aux_norm`),
+SpecForge `specforge/modeling/draft/llama3_eagle.py` (`project_hidden_states`; `export/to_sglang.py` writes
+the names unchanged), speculators `src/speculators/models/eagle3/core.py` and
+`convert/eagle/eagle3_converter.py`. EAGLE-3.1's other switch, `norm_output` (feed the post-norm h to the
+next draft step), is not layerwave's draft, which feeds the pre-norm h as EAGLE-3 does: the engines' default
+(`norm_output` absent = false), so an export leaves the key out and `load_eagle3` refuses `norm_output: true`.
+`FC_NORM_SUPPORT` says which engine versions apply the norms; an SGLang without them loads the file and
+silently skips the `fc_norm.*` tensors. TensorRT-LLM added the same `fc_norm` / `norm_output` fields in its
+PR #14988 (from the PR's description; its loader was not read here).
+
 `engine_layer_ids` / `engine_note` say which layers each engine version feeds for an id list.
 `load_eagle3` reads ids as the current engines do: HF ids when the first is ≥ 2 (vLLM and SGLang ≥ #25454
 agree); a list starting at 0 or 1 (where they disagree) needs `id_convention`. It reads
@@ -52,8 +69,8 @@ from layerwave.inference import Target, parse_dtype
 from layerwave.models.config import ModelConfig
 from layerwave.models.draft import Draft, DraftConfig, llama_style
 
-__all__ = ["ARCHITECTURE", "ENGINES", "engine_layer_ids", "engine_note", "is_eagle3_dir", "load_eagle3",
-           "read_config", "read_tensors", "tensor_name"]
+__all__ = ["ARCHITECTURE", "ENGINES", "FC_NORM_SUPPORT", "engine_layer_ids", "engine_note", "is_eagle3_dir",
+           "load_eagle3", "read_config", "read_tensors", "tensor_name"]
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's class name; vLLM's registry maps it to its Eagle3 Llama
 EAGLE3_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM")
@@ -63,6 +80,16 @@ TORCH_WEIGHTS = "pytorch_model.bin"  # what published EAGLE-3 drafts ship
 # Engine versions that read eagle_aux_hidden_state_layer_ids differently (see the module docstring).
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang with PR #25454 (merged 2026-05-16)",
            "sglang_before_pr25454": "SGLang before PR #25454"}
+# Whether each engine in ENGINES applies an fc_norm draft's per-layer norms (an axis of versions of its own).
+_SGLANG_FC_NORM = ("applies the per-layer norms where its llama_eagle3.py reads fc_norm; an older SGLang "
+                   "loads the file and silently skips the fc_norm.* tensors (its load_weights ignores "
+                   "names it has no parameter for): unnormalised features, low acceptance, no error")
+FC_NORM_SUPPORT = {
+    "vllm": ("applies the per-layer norms since PR #42764; an older vLLM refuses the file (no parameter "
+             "for fc_norm.0.weight)"),
+    "sglang": _SGLANG_FC_NORM,
+    "sglang_before_pr25454": _SGLANG_FC_NORM,
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,6 +104,8 @@ def tensor_name(path: tuple) -> tuple[str, bool]:
   if parts in (["d2t"], ["t2d"]):
     return parts[0], False
   *prefix, leaf = parts
+  if prefix[:1] == ["fc_norms"]:  # the engines' ModuleList is `fc_norm`
+    prefix[0] = "fc_norm"
   return ".".join(prefix) + (".bias" if leaf == "bias" else ".weight"), leaf == "kernel"
 
 
@@ -101,8 +130,11 @@ def engine_layer_ids(ids, num_layers: int) -> dict[str, list[int] | None]:
   return {engine: (r if runs(r) else None) for engine, r in reads.items()}
 
 
-def engine_note(ids, num_layers: int) -> str:
-  """One sentence per engine version: which layers it feeds a draft trained on hf ids `ids`."""
+def engine_note(ids, num_layers: int, fc_norm: bool = False) -> str:
+  """One sentence per engine version: which layers it feeds a draft trained on hf ids `ids`.
+
+  With `fc_norm` (an EAGLE-3.1 draft), each sentence also says whether that engine applies the norms.
+  """
   ids = [int(i) for i in ids]
   parts = []
   for engine, reads in engine_layer_ids(ids, num_layers).items():
@@ -112,6 +144,8 @@ def engine_note(ids, num_layers: int) -> str:
       what = f"reads layers {reads}, the trained ones"
     else:
       what = f"reads layers {reads}, NOT the trained {ids}: wrong layers"
+    if fc_norm and reads is not None:
+      what += f", and {FC_NORM_SUPPORT[engine]}"
     parts.append(f"{ENGINES[engine]} {what}")
   return (f"Trained on hf_hidden_states ids {ids} (input of block i; L = {num_layers}). "
           + "; ".join(parts) + ".")
@@ -208,6 +242,20 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
   for flag in ("attention_bias", "mlp_bias", "norm_before_fc", "norm_before_residual"):
     if config.get(flag):
       raise ValueError(f"{where} sets {flag}=true, which layerwave's EAGLE-3 draft does not implement.")
+  if config.get("norm_output"):
+    raise ValueError(f"{where} sets norm_output=true: the draft feeds its post-norm h to the next step "
+                     "(EAGLE-3.1's post-norm variant). layerwave's draft feeds the pre-norm h (EAGLE-3, "
+                     "norm_output false), so it would draft differently; only fc_norm is implemented.")
+  if config.get("use_aux_norm"):
+    raise ValueError(f"{where} sets use_aux_norm=true (SGLang's older name, tensors aux_norm_low/mid/high); "
+                     "rename it fc_norm=true and the tensors fc_norm.0/1/2.weight to load it.")
+  fc_norm = config.get("fc_norm", False)
+  if not isinstance(fc_norm, bool):
+    raise ValueError(f"{where} has fc_norm={fc_norm!r}; it must be true or false.")
+  lw_norm = ((config.get("layerwave") or {}).get("draft_config") or {}).get("fc_norm", fc_norm)
+  if bool(lw_norm) != fc_norm:
+    raise ValueError(f"{where} sets fc_norm={str(fc_norm).lower()} but its layerwave block's draft_config "
+                     f"says fc_norm={lw_norm}: the engines would run a different draft than was trained.")
   if config.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{where} uses hidden_act={config['hidden_act']!r}; only 'silu' is supported.")
   if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
@@ -243,7 +291,8 @@ def _draft_config(config: dict, target_config: ModelConfig, ids: tuple[int, ...]
     raise ValueError(f"Layer ids {list(ids)} must be sorted and unique: fc's input chunks follow their "
                      "order.")
   return DraftConfig(layer_ids=tuple(ids), target_num_layers=t.num_layers,
-                     target_hidden_size=t.hidden_size, target_vocab_size=t.vocab_size, model=model)
+                     target_hidden_size=t.hidden_size, target_vocab_size=t.vocab_size, model=model,
+                     fc_norm=fc_norm)
 
 
 def read_tensors(directory: str) -> dict[str, np.ndarray]:
@@ -392,7 +441,9 @@ def load_eagle3(directory: str, target: Target, *, id_convention: str | None = N
   if missing:
     problems.append(f"missing tensors: {missing}")
   if extra:
-    problems.append(f"unexpected tensors: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    hint = (" (EAGLE-3.1 per-layer norms, but config.json does not set fc_norm: true)"
+            if any(n.startswith("fc_norm.") for n in extra) and not dcfg.fc_norm else "")
+    problems.append(f"unexpected tensors: {extra[:8]}{' ...' if len(extra) > 8 else ''}{hint}")
   for name, shape in expected.items():
     if name in tensors and tuple(tensors[name].shape) != shape:
       problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")

@@ -12,8 +12,16 @@ TensorRT-LLM readers, and `engine_layer_ids` / `engine_note`: the layers each en
 Refused at export (clear errors, not silently approximated): layer id 0 (no residual exists before
 block 0 to capture); a first id of 1 (SGLang ≥ #25454 would shift every id) unless `allow_first_id_1`;
 k ≠ 3 (a shape error in both engines) unless `allow_nonstandard_k`; multi-layer drafts (vLLM names extra
-layers `layers.{i}`, SGLang `additional_layers.{i-1}`); `fc_norm` drafts (no engine applies per-chunk
-norms); layer id L (the final-norm output, which no engine can feed).
+layers `layers.{i}`, SGLang `additional_layers.{i-1}`); gated drafts (no engine applies learned gates);
+layer id L (the final-norm output, which no engine can feed).
+
+An `fc_norm` draft is written as EAGLE-3.1 (`layerwave.eagle3` cites the loaders): top-level
+`"fc_norm": true` and tensors `fc_norm.{i}.weight` `[D]`, one per selected layer in id order, which is
+exactly its `Draft.fuse`. `norm_output` is left out (false in every engine: the pre-norm h feeds the next
+step, as in layerwave's draft). The export is engine-agnostic, as the file is: engines that apply the norms
+(vLLM since PR #42764, SGLang where it reads `fc_norm`) run the trained draft; an older SGLang silently skips
+the norms. So `layerwave.fc_norm_support` in config.json, `engine_note` and a logged warning name, per
+engine, whether it applies them, rather than refusing a file the current engines load.
 
 The reading side's public names (`load_eagle3`, `is_eagle3_dir`, `read_tensors`, `engine_layer_ids`, ...)
 stay importable from here.
@@ -35,13 +43,13 @@ from flax import nnx
 from layerwave import atomic
 from layerwave import eagle3
 from layerwave import layer_ids
-from layerwave.eagle3 import (ARCHITECTURE, ENGINES, engine_layer_ids, engine_note, is_eagle3_dir,
-                              load_eagle3, read_config, read_tensors)
+from layerwave.eagle3 import (ARCHITECTURE, ENGINES, FC_NORM_SUPPORT, engine_layer_ids, engine_note,
+                              is_eagle3_dir, load_eagle3, read_config, read_tensors)
 from layerwave.inference import Target
 from layerwave.models.draft import Draft, DraftConfig
 
-__all__ = ["ARCHITECTURE", "ENGINES", "draft_tensors", "eagle3_config", "engine_layer_ids", "engine_note",
-           "export_eagle3", "is_eagle3_dir", "load_eagle3", "read_config", "read_tensors"]
+__all__ = ["ARCHITECTURE", "ENGINES", "FC_NORM_SUPPORT", "draft_tensors", "eagle3_config", "engine_layer_ids",
+           "engine_note", "export_eagle3", "is_eagle3_dir", "load_eagle3", "read_config", "read_tensors"]
 
 _DISK_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -56,9 +64,12 @@ def _check_exportable(config: DraftConfig) -> None:
         f"This draft has {config.model.num_layers} decoder layers; EAGLE-3 export supports one (the "
         "midlayer): vLLM names extra layers layers.{i} and SGLang additional_layers.{i-1}, so no file "
         "would load in both. Train with draft_model.num_layers=1 to export.")
-  if config.fc_norm:
-    raise ValueError("This draft normalises each selected layer before fc (draft_model.fc_norm=True); "
-                     "vLLM and SGLang apply no such norms, so it cannot be exported as EAGLE-3.")
+  if config.gates is not None:
+    raise ValueError(
+        f"This draft multiplies each normalised layer by a learned gate ({config.gates.kind} gates over "
+        f"{len(config.layer_ids)} layers); no EAGLE-3 or EAGLE-3.1 engine applies gates, so it cannot be "
+        "exported. Its gates choose layers: train the chosen k = 3 as an ordinary draft (draft_model.gates "
+        "unset, draft_model.fc_norm=True to keep the per-layer norms) and export that.")
   if config.model.hidden_size != config.target_hidden_size:
     raise ValueError(f"Draft width {config.model.hidden_size} differs from the target's "
                      f"{config.target_hidden_size}; EAGLE-3 engines feed the target's embedding (width D) "
@@ -154,19 +165,23 @@ def eagle3_config(draft: Draft, record: layer_ids.LayerSelection, dtype: str = "
       # vLLM reads the top-level list first, then eagle_config's; SGLang reads eagle_config's only.
       "eagle_aux_hidden_state_layer_ids": ids,
       "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-      "layerwave": {
-          "format_version": eagle3.FORMAT_VERSION,
-          "layer_ids": ids,
-          "layer_id_convention": layer_ids.CONVENTION,
-          "block_output_layer_ids": block_ids,
-          "engine_layer_ids": engine_layer_ids(ids, c.target_num_layers),
-          "engine_note": engine_note(ids, c.target_num_layers),
-          "target": {"num_layers": c.target_num_layers, "hidden_size": c.target_hidden_size,
-                     "vocab_size": c.target_vocab_size},
-          "selection": record.to_dict(),
-          "draft_config": c.to_dict(),
-      },
   }
+  if c.fc_norm:  # EAGLE-3.1's per-layer norms, read at the top level by every loader (see layerwave.eagle3)
+    config["fc_norm"] = True
+  config["layerwave"] = {
+      "format_version": eagle3.FORMAT_VERSION,
+      "layer_ids": ids,
+      "layer_id_convention": layer_ids.CONVENTION,
+      "block_output_layer_ids": block_ids,
+      "engine_layer_ids": engine_layer_ids(ids, c.target_num_layers),
+      "engine_note": engine_note(ids, c.target_num_layers, fc_norm=c.fc_norm),
+      "target": {"num_layers": c.target_num_layers, "hidden_size": c.target_hidden_size,
+                 "vocab_size": c.target_vocab_size},
+      "selection": record.to_dict(),
+      "draft_config": c.to_dict(),
+  }
+  if c.fc_norm:
+    config["layerwave"]["fc_norm_support"] = dict(FC_NORM_SUPPORT)
   return config
 
 
@@ -177,7 +192,8 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
   """Writes `draft` as an EAGLE-3 Hugging Face directory, atomically.
 
   Args:
-    draft: a trained single-layer draft for `target`.
+    draft: a trained single-layer draft for `target`; an `fc_norm` draft is written as EAGLE-3.1 (see
+      the module docstring for which engine versions apply its norms).
     target: the target it reads (checked: L, D, V).
     out_dir: the directory to create.
     selection: the `LayerSelection` record behind the draft's ids (a `manual` record when None).
@@ -211,6 +227,9 @@ def export_eagle3(draft: Draft, target: Target, out_dir: str, *,
     raise ValueError(f"The selection record's ids {list(selection.ids)} differ from the draft's "
                      f"{list(c.layer_ids)}.")
   _check_engine_ids(c.layer_ids, c.target_num_layers, allow_first_id_1, allow_nonstandard_k)
+  if c.fc_norm:
+    logging.warning("Exporting an EAGLE-3.1 draft (fc_norm: per-layer norms before fc). vLLM %s; SGLang %s.",
+                    FC_NORM_SUPPORT["vllm"], FC_NORM_SUPPORT["sglang"])
   out_dir = os.path.abspath(os.fspath(out_dir))
   if os.path.lexists(out_dir) and not overwrite:
     raise FileExistsError(f"{out_dir} already exists; choose a new directory or pass overwrite=True "

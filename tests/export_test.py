@@ -23,6 +23,25 @@ Where the pinned names and fields come from (read in the public sources, not cop
   `num_hidden_layers: 1`, `vocab_size` = target V, `draft_vocab_size`, no layer ids (engines default to
   [2, L//2, L-3]); SpecForge-era drafts add `eagle_config: {"eagle_aux_hidden_state_layer_ids": [...],
   "use_aux_hidden_state": true}` in block-output numbering (SpecForge's default [1, L//2-1, L-4]).
+* EAGLE-3.1 per-layer norms (`fc_norm`), quoted from the loaders:
+  - vLLM `vllm/model_executor/models/llama_eagle3.py` (since vllm PR #42764): `use_fc_norm =
+    getattr(self.config, "fc_norm", False)` builds `self.fc_norm = nn.ModuleList([RMSNorm(target_hidden_size,
+    eps=self.config.rms_norm_eps) for _ in range(self.num_aux_hidden_states)])`;
+    `combine_hidden_states` does `chunks = hidden_states.chunk(self.model.num_aux_hidden_states, dim=-1)`
+    and `torch.cat([norm(chunk) for norm, chunk in zip(self.model.fc_norm, chunks)], dim=-1)` before
+    `self.model.fc`; `load_weights` prefixes `model.`, so the file's name is `fc_norm.{i}.weight`.
+    `self.norm_output = getattr(self.config, "norm_output", False)`: absent = pre-norm h fed back.
+  - SGLang `python/sglang/srt/models/llama_eagle3.py`: `use_fc_norm = getattr(config, "fc_norm", None) or
+    getattr(config, "use_aux_norm", False)`, `RMSNorm(self.hidden_size_in, eps=config.rms_norm_eps)` per aux
+    state, legacy names `aux_norm_low/mid/high` → `fc_norm.0/1/2`; its `load_weights` skips any name it has
+    no parameter for (`if param_name in params_dict`), which is why an SGLang without fc_norm ignores them.
+  - SpecForge `specforge/modeling/draft/llama3_eagle.py`: `if getattr(config, "fc_norm", False):
+    self.fc_norm = nn.ModuleList([LlamaRMSNorm(self.target_hidden_size, eps=config.rms_norm_eps) for _ in
+    range(3)])`, applied in `project_hidden_states`; `configs/qwen3-30B-A3B-eagle3.1.json` sets
+    `"fc_norm": true`; `specforge/export/to_sglang.py` writes the state-dict names unchanged.
+  - speculators `src/speculators/models/eagle3/config.py` (`fc_norm`: "concat(Norm(h_a), Norm(h_b),
+    Norm(h_c)) instead of the single Norm(concat(h_a, h_b, h_c)) used by norm_before_fc") and
+    `convert/eagle/eagle3_converter.py` (`fc_norm=fc_norm or eagle_config.get("fc_norm", False)`).
 """
 
 import json
@@ -43,6 +62,7 @@ from layerwave import checkpoint as ckpt_lib
 from layerwave import eagle3
 from layerwave import export
 from layerwave import layer_ids
+from layerwave.models import gates
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.models.kv_cache import KVCache
 from layerwave.training import restore
@@ -264,8 +284,9 @@ def test_export_refuses_an_existing_directory_unless_overwrite(target, tmp_path)
 def test_export_refuses_what_engines_cannot_load(target, tmp_path):
   with pytest.raises(ValueError, match="decoder layers"):
     export.export_eagle3(_draft(target, num_layers=2), target, str(tmp_path / "a"))
-  with pytest.raises(ValueError, match="fc_norm"):
-    export.export_eagle3(_draft(target, fc_norm=True), target, str(tmp_path / "b"))
+  with pytest.raises(ValueError, match="learned gate"):
+    export.export_eagle3(_draft(target, fc_norm=True, gates=gates.GateConfig("softmax", k=2)), target,
+                         str(tmp_path / "b"))
   with pytest.raises(ValueError, match="final-norm output"):
     export.export_eagle3(_draft(target, ids=(2, 4, L)), target, str(tmp_path / "c"))
   record = layer_ids.LayerSelection(ids=(2, 4, 5), num_layers=L, hidden_size=D)
@@ -515,3 +536,90 @@ def test_round_trip_over_a_gemma_target(target, tmp_path):
   assert (n, d, v) != (L, D, V)
   with pytest.raises(ValueError, match="exported for a target with L=4; the given target has L=8"):
     layerwave.load_draft(out, target)  # the module's Llama target (L = 8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# EAGLE-3.1: fc_norm drafts (sources quoted in the module docstring).
+
+
+def _fc_norm_draft(target):
+  draft = _draft(target, fc_norm=True)
+  for i, norm in enumerate(draft.fc_norms):  # a different, non-trivial learned scale per layer
+    norm.scale[...] = 1 + 0.2 * (i + 1) * jnp.sin(jnp.arange(D, dtype=jnp.float32))
+  return draft
+
+
+def test_fc_norm_round_trip_is_exact(target, tmp_path, caplog):
+  draft = _fc_norm_draft(target)
+  with caplog.at_level(logging.WARNING):
+    out = export.export_eagle3(draft, target, str(tmp_path / "eagle31"))
+  assert "EAGLE-3.1" in caplog.text and "silently skips the fc_norm" in caplog.text
+  back = layerwave.load_draft(out, target)
+  assert back.config == draft.config and back.config.fc_norm
+  a, b = _state(draft), _state(back)
+  assert a.keys() == b.keys()
+  for path in a:
+    assert a[path].dtype == b[path].dtype, path
+    np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
+  tokens = np.random.default_rng(1).integers(0, V, (2, 7))
+  np.testing.assert_array_equal(_logits(draft, target, tokens), _logits(back, target, tokens))
+  plain = _draft(target)  # the same weights without the norms draft differently: the norms travelled
+  assert not np.array_equal(_logits(plain, target, tokens), _logits(back, target, tokens))
+
+
+def test_fc_norm_names_are_what_the_engines_load(target, tmp_path):
+  draft = _fc_norm_draft(target)
+  out = export.export_eagle3(draft, target, str(tmp_path / "e"))
+  tensors = load_file(os.path.join(out, "model.safetensors"))
+  norms = {f"fc_norm.{i}.weight": (D,) for i in range(3)}  # vLLM / SGLang / SpecForge: one per aux layer
+  assert {k: v.shape for k, v in tensors.items()} == {**PUBLISHED_SHAPES, **norms}
+  with open(os.path.join(out, "config.json")) as f:
+    cfg = json.load(f)
+  assert cfg["fc_norm"] is True  # top level: getattr(self.config, "fc_norm", False) in every loader
+  for key in ("norm_output", "norm_before_fc", "use_aux_norm"):  # absent = the engines' EAGLE-3 default
+    assert key not in cfg and key not in cfg["eagle_config"]
+  assert cfg["rms_norm_eps"] == draft.config.model.rms_norm_eps  # the eps the engines give fc_norm
+  lw = cfg["layerwave"]
+  assert lw["draft_config"]["fc_norm"] is True
+  assert lw["fc_norm_support"] == eagle3.FC_NORM_SUPPORT
+  assert "vLLM reads layers [2, 3, 6], the trained ones, and applies the per-layer norms since PR #42764" \
+      in lw["engine_note"]
+  assert "silently skips the fc_norm.* tensors" in lw["engine_note"]
+  # The engines' fusion on the written tensors (numpy): chunk i of the captures, in id order, through
+  # RMSNorm fc_norm.{i}.weight with rms_norm_eps, then fc. It is layerwave's Draft.fuse.
+  feats = np.asarray(target.forward(np.array([[5, 9, 2]]), return_hidden_states=True).hidden_states)
+  h = np.concatenate([_rms(feats[j], tensors[f"fc_norm.{i}.weight"], cfg["rms_norm_eps"])
+                      for i, j in enumerate(IDS)], -1)
+  want = h @ tensors["fc.weight"].T
+  got = np.asarray(draft.fuse(jnp.asarray(feats[list(IDS)])))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # A plain draft's file is unchanged: no fc_norm key, tensor or support table.
+  plain = export.export_eagle3(_draft(target), target, str(tmp_path / "p"))
+  with open(os.path.join(plain, "config.json")) as f:
+    cfg = json.load(f)
+  assert "fc_norm" not in cfg and "fc_norm_support" not in cfg["layerwave"]
+  assert "norms" not in cfg["layerwave"]["engine_note"]
+
+
+def test_fc_norm_refusals(target, tmp_path):
+  # A gated draft: its gates scale each normed layer, which no engine does.
+  gated = _draft(target, fc_norm=True, gates=gates.GateConfig("softmax", k=2))
+  with pytest.raises(ValueError, match=r"learned gate \(softmax gates over 3 layers\); no EAGLE-3 or "
+                                       r"EAGLE-3.1 engine applies gates.*draft_model.fc_norm=True"):
+    export.export_eagle3(gated, target, str(tmp_path / "g"))
+  out = export.export_eagle3(_fc_norm_draft(target), target, str(tmp_path / "e"))
+  # Post-norm feedback (EAGLE-3.1's norm_output) is another draft than layerwave's.
+  _edit_config(out, lambda c: c.update(norm_output=True))
+  with pytest.raises(ValueError, match="norm_output=true.*pre-norm h"):
+    layerwave.load_eagle3(out, target)
+  _edit_config(out, lambda c: (c.pop("norm_output"), c.update(fc_norm=False)))
+  with pytest.raises(ValueError, match="fc_norm=false but its layerwave block's draft_config says fc_norm=True"):
+    layerwave.load_eagle3(out, target)
+  _edit_config(out, lambda c: (c.pop("layerwave"), c.pop("fc_norm")))  # norms on disk, no flag
+  with pytest.raises(ValueError, match=r"unexpected tensors: \['fc_norm.0.weight'.*does not set fc_norm"):
+    layerwave.load_eagle3(out, target)
+  _edit_config(out, lambda c: c.update(use_aux_norm=True))
+  with pytest.raises(ValueError, match="use_aux_norm.*rename it fc_norm=true"):
+    layerwave.load_eagle3(out, target)
+  _edit_config(out, lambda c: (c.pop("use_aux_norm"), c.update(fc_norm=True)))
+  assert layerwave.load_eagle3(out, target).config.fc_norm  # a file without our block loads as EAGLE-3.1
