@@ -7,12 +7,17 @@ Writes W/layer_stats.json, W/selection.json (one LayerSelection per strategy; th
 it with --config.selection.path=W/selection.json) and W/plots/*.png, and prints the summary table.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from layerwave.analysis import analyze  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
+from layerwave.analysis import analyze
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder.")

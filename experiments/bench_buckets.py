@@ -11,7 +11,9 @@ the warm-up first. Reports, for each mode, the share of token slots that hold re
 median step time, and the ratio bucketed / fixed. Writes `W/bench_buckets.json` and prints a markdown table.
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json

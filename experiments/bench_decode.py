@@ -6,6 +6,11 @@ fixed lengths (EOS ignored). Prints medians over --repeats runs and the layerwav
   python experiments/bench_decode.py [--batch_sizes=1,8] [--prompt_len=128] [--new_tokens=128]
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import platform
 import statistics
 import time

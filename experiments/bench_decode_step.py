@@ -8,7 +8,9 @@ Fills every row of a `layerwave.continuous.Engine` with a random 150-token promp
 continuous batching reaches when every row is busy, which is what sets distillation's `distill.slots`.
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import time

@@ -17,7 +17,9 @@ ShareGPT sequences of `--seq_len` tokens:
 Writes `W/bench_features.json` and prints a markdown table.
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json

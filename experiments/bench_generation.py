@@ -19,7 +19,9 @@ answers identical between the paths, and as its last line
 `useful tokens/s: static X, continuous Y, ratio R`. Writes `W/bench_generation.json`.
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import dataclasses

@@ -19,7 +19,9 @@ parameters of every run are compared bit for bit: the same dtype across loaders,
 rounded to bfloat16 (`jnp.asarray(x, jnp.bfloat16)`).
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json

@@ -21,6 +21,11 @@ temperatures or methods to a workdir is fine.
 
 from __future__ import annotations
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import dataclasses
 import json
 import os

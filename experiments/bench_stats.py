@@ -14,19 +14,24 @@ Then peak host memory (ru_maxrss) of the streaming accumulators over 1x and 10x 
 subprocess. Prints a markdown table; tokens/s counts real (attention-mask) tokens of the batch.
 """
 
-import layerwave  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
 
-import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
-import os  # pylint: disable=g-import-not-at-top,wrong-import-position
-import resource  # pylint: disable=g-import-not-at-top,wrong-import-position
-import subprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
-import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
-import time  # pylint: disable=g-import-not-at-top,wrong-import-position
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
-from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
+import functools
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+import layerwave
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per batch.")

@@ -22,7 +22,9 @@ Whether bfloat16 should be the default also needs the held-out τ of drafts trai
 store (`--config.train.compute_dtype=bfloat16` in experiments/train_draft.py); BENCHMARKS.md has both.
 """
 
-import layerwave  # noqa: F401  # first: it sets OPENBLAS_NUM_THREADS before numpy and jax load OpenBLAS
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json

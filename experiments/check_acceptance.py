@@ -14,6 +14,11 @@ accuracies). Writes `OUT/acceptance_check.json`. Exits non-zero on any mismatch.
 
 from __future__ import annotations
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import os
 
 from absl import app

@@ -12,12 +12,17 @@ HumanEval / GSM8K prompts, then W/results.md, W/results.json and W/plots/compare
 same --workdir skips finished cells; a workdir from a different config is refused.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from layerwave import compare  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
+from layerwave import compare
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Results folder (resumable).")

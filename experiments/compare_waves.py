@@ -7,6 +7,11 @@ Reads each workdir's layer_stats.json and selection.json (experiments/analyze.py
 OUT/waves.json and OUT/waves.png (`layerwave.analysis.waves`), and prints the markdown.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import os
 
 from absl import app

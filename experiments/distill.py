@@ -11,12 +11,17 @@ fingerprints, sampling, prompt counts, tokens, loops cut, time) and D/chunks/ (r
 resume after an interruption).
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from layerwave.data import distill  # importing layerwave sets OPENBLAS_NUM_THREADS (layerwave/__init__.py)
+from layerwave.data import distill
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (the distilled dataset).")

@@ -9,6 +9,11 @@ the loss per draft, so drafts trained online, offline or on other text are compa
 target's own answers, the text it drafts at inference). `layerwave.training.loop.evaluate_on_store`.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 
 from absl import app

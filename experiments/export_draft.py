@@ -12,6 +12,11 @@ Refused unless asked for: layer ids starting at 1 (--allow_first_id_1: SGLang >=
 vLLM does not) and k != 3 layers (--allow_nonstandard_k: only layerwave loads it). Id 0 is always refused.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
 

@@ -16,6 +16,11 @@ shard. Multi-host: the same command on every host with `--config.distributed=Tru
 filesystem.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 
 from absl import app
@@ -23,7 +28,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from layerwave.training.features import extraction  # importing layerwave sets OPENBLAS_NUM_THREADS
+from layerwave.training.features import extraction
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 flags.mark_flags_as_required(["config"])

@@ -7,6 +7,11 @@ With --config.distributed=True every process of a multi-host slice runs this sam
 prints and writes them.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
 import time

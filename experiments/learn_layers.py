@@ -10,6 +10,11 @@ One gated run per seed (W/seed<s>: checkpoints, gates.json, selection.json), the
 Rerunning the same command resumes an interrupted run and skips finished ones.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 from absl import app
 from absl import flags
 from ml_collections import config_flags

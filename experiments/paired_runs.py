@@ -13,6 +13,11 @@ and OUT/paired.md. `make dtype-check` ends with it (BENCHMARKS.md, issue 21: bf1
 default only if Δ is within seed noise).
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
 

@@ -15,6 +15,11 @@ step and data position) lets `--config.train.init_from=NAME` continue an unfinis
 its workdir; `metrics.interim` says whether the run had reached its `train.num_steps`.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
 import tempfile

@@ -14,13 +14,18 @@ naming it with --engines refuses. tpu-inference's JAX Llama captures EAGLE-3's d
 a non-default selection is refused for it unless --allow_ignored_selection.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import os
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from layerwave.analysis import select_layers  # importing layerwave sets OPENBLAS_NUM_THREADS
+from layerwave.analysis import select_layers
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "smollm2_135m.py"),

@@ -19,6 +19,11 @@ outputs and τ, timings are the slowest process's, and process 0 alone writes an
 
 from __future__ import annotations
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 import os
 from typing import Any

@@ -13,6 +13,11 @@ markdown table (paste into BENCHMARKS.md). `--report_only` tabulates what is fin
 
 from __future__ import annotations
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import dataclasses
 import os
 

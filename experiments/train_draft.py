@@ -7,6 +7,11 @@
 Rerunning the same command resumes from the latest checkpoint in W/checkpoints.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
 
 from absl import app

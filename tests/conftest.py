@@ -8,7 +8,9 @@ EAGLE-3's rule (2, L//2, L-3) gives distinct ids: (2, 4, 5).
 import os
 import shutil
 
-import layerwave  # pylint: disable=unused-import  # first: it sets OPENBLAS_NUM_THREADS before jax loads
+from layerwave import runtime
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top

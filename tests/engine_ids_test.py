@@ -10,15 +10,13 @@ model itself. The ids `engine_ids` gives an engine must make that loop capture e
 import numpy as np
 import pytest
 
-import layerwave  # pylint: disable=unused-import  # sets the thread variables before jax loads
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-from layerwave import engine_ids  # pylint: disable=g-import-not-at-top
-from layerwave import layer_ids  # pylint: disable=g-import-not-at-top
-from layerwave.inference import load_target  # pylint: disable=g-import-not-at-top
-from layerwave.models import kv_cache  # pylint: disable=g-import-not-at-top
-from layerwave.models import layers as layers_lib  # pylint: disable=g-import-not-at-top
+from layerwave import engine_ids
+from layerwave import layer_ids
+from layerwave.inference import load_target
+from layerwave.models import kv_cache
+from layerwave.models import layers as layers_lib
 
 L = 8
 SELECTIONS = [(2, 4, 5), (1, 3, 7), (3, 5, 6), (2, 6)]  # the default, one starting at 1, two others
@@ -152,7 +150,7 @@ def hook_capture(hf_model, tokens, layer_indices):
   Model Optimizer's EAGLE-3 training (modelopt/torch/speculative/plugins/transformers.py @ 5a4242faf414:
   a hook on base_model.layers[layer_idx] for layer_idx in eagle_aux_hidden_state_layer_ids).
   """
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   captured, handles = {}, []
   for idx in layer_indices:
     def hook(module, inputs, output, idx=idx):

@@ -33,6 +33,8 @@ _PRELUDE = """
 import faulthandler, json, sys
 sys.path.insert(0, sys.argv[1])
 faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)  # a hang fails with its stacks, before the kill
+from layerwave import runtime
+runtime.configure_host()  # before jax loads: PJRT_NPROC (set by `environment()` too, for a caller's own runs)
 import layerwave
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")

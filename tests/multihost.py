@@ -30,6 +30,8 @@ _PRELUDE = """
 import faulthandler, json, os, sys
 sys.path.insert(0, sys.argv[1])
 faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)
+from layerwave import runtime
+runtime.configure_host()  # before jax loads
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 OUT, ARGS = sys.argv[2], sys.argv[4:]
