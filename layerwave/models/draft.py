@@ -287,7 +287,7 @@ class Draft(nnx.Module):
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(n))
 
   def ttt_step(self, g: Array, tokens: Array, positions: Array, step: Array, base_kv, diag_kv,
-               key_mask: Array, query_block: int | None = None):
+               key_mask: Array, query_block: int | None = None, base_at_zero: bool = False):
     """One unrolled step of the training-time test over all positions at once.
 
     At step j a query at position t reads the step-0 keys at positions <= t (`base_kv`, computed at
@@ -299,6 +299,8 @@ class Draft(nnx.Module):
       positions: `[B, T]` RoPE positions (t + j).
       step: scalar int, j.
       base_kv: per draft layer `(k0, v0)` `[B, T, G, Dh]`, or None at step 0 (they are computed).
+      base_at_zero: every step in one loop (`step` traced): where `step` is 0 this call's own keys/values
+        replace `base_kv` (a placeholder of their shape and dtype) and are returned as the new base.
       diag_kv: per draft layer `(kd, vd)` `[K-1, B, T, G, Dh]` buffers (`ttt_init`).
       key_mask: `[B, T]` real (non-padding) positions.
       query_block: attend `query_block` query rows at a time (`ttt_attend`), or all at once (None).
@@ -328,6 +330,11 @@ class Draft(nnx.Module):
         k0, v0 = k, v
       else:
         k0, v0 = base_kv[i]
+        if base_at_zero:
+          if (k0.dtype, v0.dtype) != (k.dtype, v.dtype):
+            raise ValueError(f"base_kv placeholders are {k0.dtype}/{v0.dtype}, the keys/values "
+                             f"{k.dtype}/{v.dtype}: make them in the draft's compute dtype.")
+          k0, v0 = jnp.where(step == 0, k, k0), jnp.where(step == 0, v, v0)
       kd, vd = diag_kv[i]
       slot = jnp.maximum(step - 1, 0)
       kd = jnp.where(step > 0, kd.at[slot].set(k.astype(kd.dtype)), kd)
