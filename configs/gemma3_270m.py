@@ -24,6 +24,8 @@ import os
 
 import ml_collections
 
+from layerwave import options
+
 
 def _smollm2_config(variant: str) -> ml_collections.ConfigDict:
   """`configs/smollm2_135m.py:<variant>` (this file's sibling; launchers load configs by path, not package)."""
@@ -56,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     return c
   # The data, distill and analysis sections of SmolLM2's `:demo` (or `:smoke`), so the two waves share one budget.
   base = _smollm2_config(arg or "demo")
-  c = ml_collections.ConfigDict()
+  c = options.Config()
   c.model = "gemma3-270m"
   for key in ("dtype", "mesh", "distributed", "seed", "data", "distill", "analysis"):
     c[key] = base[key]

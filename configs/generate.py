@@ -6,9 +6,11 @@
 
 import ml_collections
 
+from layerwave import options
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = options.Config()
   c.model = "smollm2-135m-instruct"
   c.dtype = "float32"
   c.mesh = (("data", -1),)
@@ -25,6 +27,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.top_k = 0
   c.top_p = 1.0
   c.seed = 0
+  c.lock()  # a variant sets only keys the config holds: a misspelt one is refused, naming the nearest
   if arg == "smoke":
     c.questions = c.questions[:2]
     c.max_new_tokens = 16

@@ -22,6 +22,8 @@ ml_collections' tuple parser refuses ';', and a tuple of tuples needs quoted par
 
 import ml_collections
 
+from layerwave import options
+
 
 def _selected_vs_baseline(compare: ml_collections.ConfigDict) -> None:
   """A two-set comparison: the exhaustive selection against EAGLE-3's layers, one seed, greedy, MT-bench,
@@ -36,7 +38,7 @@ def _selected_vs_baseline(compare: ml_collections.ConfigDict) -> None:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  c = options.Config()
   # -- shared -------------------------------------------------------------------------------------
   c.model = "smollm2-135m-instruct"
   c.dtype = "float32"
@@ -45,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
 
   # -- data (layerwave.data): ShareGPT conversations through the chat template --------------------
-  c.data = ml_collections.ConfigDict()
+  c.data = options.Config(name="data")
   c.data.source = "sharegpt"
   c.data.max_length = 512  # tokens per training / analysis sequence
   c.data.max_records = 0  # 0 = every conversation
@@ -57,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Writes W/dataset (array_record) + W/manifest.json; train on it with --config.data.source=distilled:W.
   # Prompts are rendered in `data.chat_format` (the format training reads them back in): with "plain" (a base
   # model) each answer is cut where the model starts the next "\n\nUser:" turn.
-  c.distill = ml_collections.ConfigDict()
+  c.distill = options.Config(name="distill")
   c.distill.source = "sharegpt"  # prompt source (its user turns)
   c.distill.num_prompts = 0  # conversations answered; 0 = all that pass the filters
   c.distill.turns = 1  # user turns answered per conversation, each after the target's own earlier answers
@@ -80,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # -- analysis (experiments/analyze.py) -----------------------------------------------------------
   # docs/METHOD.md §2-§6; reads `data` for the sequences (`data.max_length` tokens each).
-  c.analysis = ml_collections.ConfigDict()
+  c.analysis = options.Config(name="analysis")
   c.analysis.split = "train"
   c.analysis.batch_size = 8  # sequences per batch (divisible by the mesh's 'data' axis)
   # Length buckets (data.BatchIterator's widths): batches of batch_size x max_length token slots as [slots / w, w],
@@ -119,10 +121,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # -- draft training (experiments/train_draft.py) ------------------------------------------------
   c.layers = ()  # (2, 15, 27) (HF convention); empty = take `selection.strategy` from `selection.path`
-  c.selection = ml_collections.ConfigDict()
+  c.selection = options.Config(name="selection")
   c.selection.path = ""  # a selection.json written by experiments/analyze.py
   c.selection.strategy = ""  # which record of that file
-  c.draft_model = ml_collections.ConfigDict()
+  c.draft_model = options.Config(name="draft_model")
   c.draft_model.vocab_size = 32000  # V_d, capped at the target vocabulary
   c.draft_model.num_layers = 1
   c.draft_model.fc_norm = False
@@ -135,7 +137,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.draft_model.gate_k = 3
   c.draft_model.gate_strength = 0.1
   c.draft_model.gate_lr_scale = 100.0
-  c.train = ml_collections.ConfigDict()
+  c.train = options.Config(name="train")
   c.train.batch_size = 8  # global; divisible by the mesh's data axis
   c.train.num_steps = 1500
   c.train.schedule_steps = 0  # the LR schedule's length (0 = num_steps); fixed for a run: resuming checks it
@@ -178,7 +180,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # -- learned selection (experiments/learn_layers.py, layerwave.training.learned) -------------------
   # A gated draft (draft_model.gates) trained on every candidate depth of train.features, once per seed; its k
   # largest gates are the selection ("learned_gates-k<k>" in W/selection.json).
-  c.learned = ml_collections.ConfigDict()
+  c.learned = options.Config(name="learned")
   c.learned.ks = (3, 5)  # selection sizes written
   c.learned.seeds = 3  # gated runs, seeds 0..seeds-1
   c.learned.candidates = ()  # () = every candidate depth 1..L-1
@@ -188,7 +190,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # -- feature extraction (experiments/extract_features.py, layerwave.training.features) ------------
   # The target runs over the chat dataset of `data` once; its features go to a store that
   # `--config.train.features=DIR` trains from (any layer set among the stored depths, many drafts).
-  c.features = ml_collections.ConfigDict()
+  c.features = options.Config(name="features")
   c.features.dir = ""  # where the store is written
   c.features.depths = ""  # "" = the layers of `layers` (else every set in `selection.path`), "2,15,27" or "all"
   c.features.dtype = "bfloat16"  # or "float32" (twice the disk); the final-norm state h_L is always stored
@@ -202,7 +204,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # -- speculative decoding (experiments/speculate.py) --------------------------------------------
   c.draft = ""  # a training workdir (latest checkpoint), or "random" for an untrained draft (smoke runs)
-  c.speculate = ml_collections.ConfigDict()
+  c.speculate = options.Config(name="speculate")
   c.speculate.dataset = "mtbench"  # mtbench (first turns) | humaneval | gsm8k
   c.speculate.num_prompts = 80  # 0 = every prompt of the dataset
   c.speculate.batch_size = 8  # prompts per generate call
@@ -224,7 +226,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # -- layer-set comparison (experiments/compare_layers.py, layerwave.compare) --------------------
   # Every cell = one layer set x one seed, trained with `train` / `draft_model` / `data` (the same budget
   # for all) and evaluated with `speculate` (method, K, batch size, top-k/p) on held-out prompts.
-  c.compare = ml_collections.ConfigDict()
+  c.compare = options.Config(name="compare")
   c.compare.analysis = ""  # analysis workdir (layer_stats.json); empty = run the analysis into W/analysis
   c.compare.sets = ("eagle3", "entropy", "greedy", "exhaustive", "compartment", "nofilter", "entropy_only",
                     "cka_only")
@@ -269,6 +271,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.compare.probe_vocab = 1024  # probe classes: the most frequent next tokens
   c.compare.sort_by = "tau"  # results.md's row order: "tau" (first temperature) or "sim_tau" (held-out sim τ)
 
+  c.lock()  # a variant sets only keys the sections hold: a misspelt one is refused, naming the nearest
   if arg == "smoke":
     c.data.max_length = 128
     c.data.max_records = 200
@@ -410,4 +413,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif arg:
     raise ValueError(f"Unknown config variant {arg!r}; use ':smoke', ':cpu', ':compare', ':demo', ':recipe', "
                      "':paper' or nothing.")
-  return c
+  return c.unlock()  # configs/scale.py adds its own keys

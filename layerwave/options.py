@@ -4,7 +4,9 @@ Each stage's options are a frozen dataclass (`training.options.TrainOptions`, `d
 ...); `from_section(Options, config.train, "train")` builds one from its config section, converting every
 field to its annotated type and refusing a missing field or a value of the wrong kind with one error that
 names `section.field`. The dataclass' own `__post_init__` then checks ranges. Library code reads the typed
-fields and casts nothing.
+fields and casts nothing. Configs are `Config`s, whose sections hold each dataclass' defaults (`section`), so a
+key no stage reads, in a config file or as `--config.train.lerning_rate=...`, is refused with one error that
+names the nearest known key.
 
 Field types: int, float, bool, str, a tuple of one of int / float / str (`tuple[int, ...]`), or a tuple of
 tuples of ints (`tuple[tuple[int, ...], ...]`, lists of layer sets). A tuple field takes a tuple or list, or
@@ -18,6 +20,7 @@ string; each string item is split at commas, empty items are dropped. A tuple of
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -25,9 +28,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import ml_collections
+
 from layerwave import atomic
 
-__all__ = ["convert", "differing_fields", "fingerprint", "from_section", "record_settings"]
+__all__ = ["Config", "UnknownKeyError", "convert", "differing_fields", "fingerprint", "from_section",
+           "record_settings", "section"]
 
 # What each tuple kind looks like, for errors.
 _EXAMPLES = {int: "comma-separated integers like 2,15,27 (or a tuple (2, 15, 27))",
@@ -216,3 +222,80 @@ def from_section(cls, section, name: str, *, aliases: Mapping[str, str] | None =
       continue
     kwargs[f.name] = convert(section[key], hints[f.name], f"{name}.{key}")
   return cls(**kwargs)
+
+
+class UnknownKeyError(KeyError):
+  """A config key that no section holds (a KeyError, as ml_collections expects, that prints as a sentence)."""
+
+  def __str__(self) -> str:
+    return str(self.args[0])
+
+
+class Config(ml_collections.ConfigDict):
+  """A ConfigDict that refuses an unknown key with one error naming the nearest known key.
+
+  Reading a missing key, or adding one once the config is locked (launchers load configs with
+  `lock_config=True`, so `--config.train.lerning_rate=1` is an unknown key; configs/smollm2/base.py locks its
+  sections, so a typo in a config file is one too), raises `UnknownKeyError`: "config has no key
+  train.lerning_rate; the nearest known key is train.end_lr_fraction (train holds: ...)".
+
+  Args:
+    initial: the fields, as for ConfigDict.
+    name: the section's dotted name in errors ("train"; "" at the top).
+  """
+
+  def __init__(self, initial: Mapping[str, Any] | None = None, *, name: str = "", **kwargs):
+    super().__init__(initial, **kwargs)
+    object.__setattr__(self, "_name", name)
+
+  def _unknown(self, key: str) -> UnknownKeyError:
+    name = self.__dict__.get("_name", "")
+    keys = sorted(str(k) for k in self.keys())
+    where = lambda k: f"{name}.{k}" if name else k  # noqa: E731
+    nearest = difflib.get_close_matches(key, keys, 1, 0.0)
+    hint = f"; the nearest known key is {where(nearest[0])}" if nearest else ""
+    return UnknownKeyError(f"config has no key {where(key)}{hint} ({name or 'the config'} holds: "
+                           f"{', '.join(keys)}).")
+
+  def _known(self, key: Any) -> bool:
+    fields = self.__dict__.get("_fields")  # absent while copy / pickle rebuild the object
+    return fields is None or not isinstance(key, str) or "." in key or key.startswith("__") or key in fields
+
+  def __getitem__(self, key):
+    if not self._known(key):
+      raise self._unknown(key)
+    return super().__getitem__(key)
+
+  def __setitem__(self, key, value):
+    if self.__dict__.get("_locked") and not self._known(key):
+      raise self._unknown(key)
+    super().__setitem__(key, value)
+
+
+def section(cls, name: str, *, skip: tuple[str, ...] = (), aliases: Mapping[str, str] | None = None,
+            **values: Any) -> Config:
+  """A config section holding `cls`' defaults: the one place a default is written is the dataclass.
+
+  Args:
+    cls: the section's options dataclass (`TrainOptions` for `train`).
+    name: the section's name ("train").
+    skip: fields that are not config keys (set by the stage itself).
+    aliases: field -> config key, where they differ (as `from_section` takes them).
+    **values: config keys without a default in `cls` (required fields, keys no dataclass holds) or whose
+      config value differs from the dataclass' default (each such key says why where it is set).
+
+  Raises:
+    ValueError: a value that restates the dataclass' default (a default lives in one place).
+  """
+  out = Config(name=name)
+  fields = {(aliases or {}).get(f.name, f.name): f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+  for key, f in fields.items():
+    if f.default is not dataclasses.MISSING:
+      out[key] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[key] = f.default_factory()
+  for key, value in values.items():
+    if key in out and type(out[key]) is type(value) and out[key] == value:
+      raise ValueError(f"{name}.{key} = {value!r} restates {cls.__name__}'s default: drop it from the config.")
+    out[key] = value
+  return out

@@ -13,4 +13,4 @@ def load(variant: str = "smoke", name: str = "smollm2_135m") -> ml_collections.C
   spec = importlib.util.spec_from_file_location(f"configs.{name}", os.path.join(CONFIGS, name + ".py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return module.get_config(variant).unlock()

@@ -3,6 +3,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 
 import ml_collections
 import pytest
@@ -139,3 +140,65 @@ def test_record_settings_normalizes_both_sides_before_comparing(tmp_path):
   options.record_settings(other, {"lr": 0.1}, "benchmark rows", normalize=drop_unset_new)
   with open(other) as f:
     assert json.load(f)["settings"] == {"lr": 0.1, "new": ""}  # an accepted resume rewrites nothing
+
+
+CONFIG = "configs/smollm2_135m.py"
+
+
+def test_a_config_refuses_an_unknown_key_naming_the_nearest_known_one():
+  c = options.Config({"lr": 0.1, "warmup_steps": 5}, name="train")
+  with pytest.raises(AttributeError, match=r"config has no key train\.warmup_step; the nearest known key is "
+                                           r"train\.warmup_steps \(train holds: lr, warmup_steps\)"):
+    c.warmup_step  # noqa: B018
+  assert c.get("warmup_step", 3) == 3 and "warmup_step" not in c  # .get and `in` still answer
+  c.lock()
+  with pytest.raises(AttributeError, match=r"no key train\.l; the nearest known key is train\.lr"):
+    c.l = 0.2  # a typo in a config file: locked sections take no new key
+  c.lr = 0.2
+  assert c.lr == 0.2
+
+
+def test_a_config_survives_copy_and_pickle():
+  import copy
+  import pickle
+  c = options.Config({"a": 1}, name="s")
+  for other in (copy.deepcopy(c), pickle.loads(pickle.dumps(c))):
+    assert other.to_dict() == {"a": 1}
+
+
+def _parse(monkeypatch, path, *argv):
+  """`--config` as a launcher parses it (config_flags reads the overrides from sys.argv)."""
+  from absl import flags
+  from ml_collections import config_flags
+  values = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", CONFIG, flag_values=values, lock_config=True)
+  monkeypatch.setattr("sys.argv", ["prog", f"--config={path}", *argv])
+  values(["prog", f"--config={path}", *argv])
+  return holder.value
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.train.lerning_rate=0.1", r"config has no key train\.lerning_rate; the nearest known key is train\."),
+    ("--config.analysis.percentil=40", r"config has no key analysis\.percentil; the nearest known key is "
+                                       r"analysis\.percentile"),
+    ("--config.sed=1", r"config has no key sed; the nearest known key is seed"),
+])
+def test_an_unknown_command_line_key_is_refused_before_any_work(flag, message, monkeypatch):
+  with pytest.raises(AttributeError, match=message):
+    _parse(monkeypatch, f"{CONFIG}:smoke", flag)
+  assert _parse(monkeypatch, f"{CONFIG}:smoke", "--config.analysis.percentile=40").analysis.percentile == 40.0
+
+
+def test_a_typo_in_a_config_file_is_refused(tmp_path, monkeypatch):
+  path = tmp_path / "typo.py"
+  path.write_text("import importlib.util, os\n"
+                  f"spec = importlib.util.spec_from_file_location('base', {os.path.abspath(CONFIG)!r})\n"
+                  "base = importlib.util.module_from_spec(spec)\n"
+                  "spec.loader.exec_module(base)\n"
+                  "def get_config(arg=None):\n"
+                  "  c = base.get_config(arg).lock()\n"
+                  "  c.train.num_step = 3\n"
+                  "  return c\n")
+  with pytest.raises(AttributeError, match=r"config has no key train\.num_step; the nearest known key is "
+                                           r"train\.num_steps"):
+    _parse(monkeypatch, f"{path}:smoke")
