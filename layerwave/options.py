@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib.util
 import json
 import os
 import typing
@@ -32,8 +33,8 @@ import ml_collections
 
 from layerwave import atomic
 
-__all__ = ["Config", "UnknownKeyError", "convert", "differing_fields", "fingerprint", "from_section",
-           "record_settings", "section"]
+__all__ = ["Config", "UnknownKeyError", "config_module", "convert", "differing_fields", "fingerprint",
+           "from_section", "record_settings", "section"]
 
 # What each tuple kind looks like, for errors.
 _EXAMPLES = {int: "comma-separated integers like 2,15,27 (or a tuple (2, 15, 27))",
@@ -287,7 +288,7 @@ def section(cls, name: str, *, skip: tuple[str, ...] = (), aliases: Mapping[str,
   Raises:
     ValueError: a value that restates the dataclass' default (a default lives in one place).
   """
-  out = Config(name=name)
+  out = {}
   fields = {(aliases or {}).get(f.name, f.name): f for f in dataclasses.fields(cls) if f.init and f.name not in skip}
   for key, f in fields.items():
     if f.default is not dataclasses.MISSING:
@@ -296,6 +297,16 @@ def section(cls, name: str, *, skip: tuple[str, ...] = (), aliases: Mapping[str,
       out[key] = f.default_factory()
   for key, value in values.items():
     if key in out and type(out[key]) is type(value) and out[key] == value:
-      raise ValueError(f"{name}.{key} = {value!r} restates {cls.__name__}'s default: drop it from the config.")
-    out[key] = value
-  return out
+      raise ValueError(f"{name}.{key} = {value!r} restates the default of {cls.__name__}: drop it from the config.")
+    out[key] = value  # may hold another type than the field (analysis.normalize: "skean" for True)
+  return Config(out, name=name)
+
+
+def config_module(path: str):
+  """The config file at `path` as a module (configs are files, loaded by path as `--config=PATH` loads them,
+  not a package): how an experiment's config reads the base it builds on."""
+  name = "configs." + os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
