@@ -19,7 +19,6 @@ Only the sections analysis and distillation read are here, except in `:paper`, w
 with Gemma's model and plain format.
 """
 
-import importlib.util
 import os
 
 import ml_collections
@@ -30,10 +29,7 @@ from layerwave import options
 def _smollm2_config(variant: str) -> ml_collections.ConfigDict:
   """`configs/smollm2_135m.py:<variant>` (this file's sibling; launchers load configs by path, not package)."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_135m.py")
-  spec = importlib.util.spec_from_file_location("configs.smollm2_135m", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return options.config_module(path).get_config(variant)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
