@@ -40,6 +40,7 @@ from absl import app
 from absl import flags
 from flax import nnx
 
+import layerwave
 from layerwave import metrics as metrics_lib
 from layerwave.inference import cached_forward, compute_dtype, load_target, new_cache
 from layerwave.models.kv_cache import causal_mask
