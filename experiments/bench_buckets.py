@@ -76,7 +76,8 @@ def main(argv):
   head = jax.device_put(loop.target_head(target)[:, ids], rep)
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   optimizer = step_lib.OptimizerSettings(1e-3, 2, 1000)
-  kw = dict(draft_graphdef=graphdef, optimizer=optimizer, steps=_K.value, decay=0.8, assistant_only=True)
+  kw = dict(program=step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=_K.value, decay=0.8, assistant_only=True),
+                                         optimizer=optimizer))
   states = {m: jax.device_put(step_lib.init_state(jax.tree.map(np.copy, params), optimizer), rep) for m in its}
 
   def step(mode, batch):

@@ -22,6 +22,7 @@ from layerwave import runtime  # pylint: disable=g-bad-import-order
 runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
+import dataclasses
 import json
 import os
 import shutil
@@ -150,7 +151,9 @@ def bench_steps(target, dataset, store, layers, k, batch):
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   states = {m: jax.device_put(step_lib.init_state(jax.tree.map(jnp.copy, params), optimizer), rep)
             for m in ("online", "offline")}
-  kw = dict(draft_graphdef=graphdef, optimizer=optimizer, steps=k, decay=0.8, assistant_only=True)
+  program = step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=k, decay=0.8, assistant_only=True),
+                                 optimizer=optimizer)
+  online_program = dataclasses.replace(program, target_graphdef=target.graphdef)
   rows = sharding.batch_sharding(target.mesh)
   times = {"online": [], "offline": []}
   tokens = 0
@@ -160,12 +163,12 @@ def bench_steps(target, dataset, store, layers, k, batch):
 
     def online():
       states["online"], m = step_lib.train_step(states["online"], vocab, embed, target.params, on,  # noqa: B023
-                                                target_graphdef=target.graphdef, **kw)
+                                                program=online_program)
       return m["loss"]
 
     def offline():
       states["offline"], m = step_lib.train_step_offline(states["offline"], vocab, embed, head_rows,  # noqa: B023
-                                                         off, **kw)
+                                                         off, program=program)
       return m["loss"]
 
     t_on, t_off = metrics_lib.timed(online), metrics_lib.timed(offline)
@@ -176,7 +179,7 @@ def bench_steps(target, dataset, store, layers, k, batch):
     logging.info("K=%d step %d: online %.2fs, offline %.2fs", k, i, t_on, t_off)
   per_step = tokens / _STEPS.value
   med = {m: statistics.median(v) for m, v in times.items()}
-  gflop = step_gflop(target, states["online"], vocab, embed, head_rows, pairs[0], k, kw)
+  gflop = step_gflop(target, states["online"], vocab, embed, head_rows, pairs[0], k, program)
   return {"K": k, "V_d": v_d, "batch": batch, "seq_len": t, "real_tokens_per_step": per_step,
           "online_s": med["online"], "offline_s": med["offline"],
           "online_tokens_per_s": per_step / med["online"], "offline_tokens_per_s": per_step / med["offline"],
@@ -184,7 +187,7 @@ def bench_steps(target, dataset, store, layers, k, batch):
           "offline_gflop": gflop["offline"], "flop_ratio": gflop["online"] / gflop["offline"], "times": times}
 
 
-def step_gflop(target, state, vocab, embed, head_rows, pair, k, kw):
+def step_gflop(target, state, vocab, embed, head_rows, pair, k, program):
   """Each step's GFLOP by XLA's cost analysis (which counts a loop body once): K = 1 + (K - 1) * (K=2 - K=1)."""
   online_batch = {key: v for key, v in pair[0].arrays().items() if key != "example_mask"}
 
@@ -196,12 +199,13 @@ def step_gflop(target, state, vocab, embed, head_rows, pair, k, kw):
   for mode in ("online", "offline"):
     one_two = []
     for steps in (1, 2):
-      args = dict(kw, steps=steps)
+      at = dataclasses.replace(program, loss=dataclasses.replace(program.loss, steps=steps))
       if mode == "online":
         one_two.append(flops(step_lib.train_step, state, vocab, embed, target.params, online_batch,
-                             target_graphdef=target.graphdef, **args))
+                             program=dataclasses.replace(at, target_graphdef=target.graphdef)))
       else:
-        one_two.append(flops(step_lib.train_step_offline, state, vocab, embed, head_rows, pair[1].arrays(), **args))
+        one_two.append(flops(step_lib.train_step_offline, state, vocab, embed, head_rows, pair[1].arrays(),
+                             program=at))
     out[mode] = one_two[0] + (k - 1) * (one_two[1] - one_two[0])
   return out
 

@@ -112,14 +112,15 @@ def main(argv):
   if _ONLINE.value:  # the same draft step; the target's forward in each dtype
     forward = {d: with_dtype(target, d) for d in DTYPES}
     online = {key: batch[key] for key in ("input_ids", "attention_mask", "assistant_mask")}
-    kw = {d: dict(draft_graphdef=graphdef, target_graphdef=forward[d].graphdef, optimizer=optimizer,
-                  steps=_K.value, decay=0.8, assistant_only=True, compute_dtype=str(config.train.compute_dtype))
-          for d in DTYPES}
+    loss = step_lib.LossSettings(steps=_K.value, decay=0.8, assistant_only=True,
+                                 compute_dtype=str(config.train.compute_dtype))
+    kw = {d: dict(program=step_lib.StepProgram(graphdef, loss, optimizer=optimizer,
+                                               target_graphdef=forward[d].graphdef)) for d in DTYPES}
     args = {d: (vocab, embed, forward[d].params, online) for d in DTYPES}
     step_fn = step_lib.train_step
   else:
-    kw = {d: dict(draft_graphdef=graphdef, optimizer=optimizer, steps=_K.value, decay=0.8, assistant_only=True,
-                  compute_dtype=d) for d in DTYPES}
+    kw = {d: dict(program=step_lib.StepProgram(graphdef, step_lib.LossSettings(
+        steps=_K.value, decay=0.8, assistant_only=True, compute_dtype=d), optimizer=optimizer)) for d in DTYPES}
     args = {d: (vocab, embed, head, batch) for d in DTYPES}
     step_fn = step_lib.train_step_offline
   dots = {d: _dots(step_fn.lower(states[d], *args[d], **kw[d]).compile().as_text()) for d in DTYPES}

@@ -147,8 +147,9 @@ def train_offline(ctx: Context) -> StageCall:
                final=jax.ShapeDtypeStruct((b, t, d), store, sharding=rows["final"]),
                argmax=jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows["argmax"]))
   head_rows = spec((d, dcfg.draft_vocab_size), ctx.dtype, ctx.mesh)  # replicated, as train places it
+  program = step_lib.StepProgram(graphdef, recipe.train.loss, optimizer=recipe.train.optimizer, mesh=ctx.mesh)
   return StageCall("train_offline", step_lib.train_step_offline, (state, vocab, embed, head_rows, batch),
-                   dict(draft_graphdef=graphdef, optimizer=recipe.train.optimizer, mesh=ctx.mesh, **recipe.train.train_kwargs),
+                   dict(program=program),
                    b * t, f"B {b} x T {t}, K {recipe.train.ttt_steps}, V_d {dcfg.draft_vocab_size}", "train")
 
 
@@ -159,9 +160,10 @@ def train_online(ctx: Context) -> StageCall:
   target_dtype = recipe.train.target_dtype or ctx.dtype
   graph, params = (ctx.graphdef, ctx.params) if jnp.dtype(target_dtype) == jnp.dtype(ctx.dtype) else \
       abstract_target(ctx.model, target_dtype, ctx.mesh)
+  program = step_lib.StepProgram(graphdef, recipe.train.loss, optimizer=recipe.train.optimizer, target_graphdef=graph,
+                                 mesh=ctx.mesh)
   return StageCall("train_online", step_lib.train_step, (state, vocab, embed, params, _batch(ctx.mesh, b, t)),
-                   dict(draft_graphdef=graphdef, target_graphdef=graph, optimizer=recipe.train.optimizer, mesh=ctx.mesh,
-                        **recipe.train.train_kwargs),
+                   dict(program=program),
                    b * t, f"B {b} x T {t}, K {recipe.train.ttt_steps}, V_d {dcfg.draft_vocab_size}", "train")
 
 

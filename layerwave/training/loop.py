@@ -277,9 +277,9 @@ def evaluate_on_store(draft: Draft, target: Target, path: str, *, steps: int, ba
   batches = features_lib.FeatureBatchIterator(heldout, store.layer_slots(record.ids), batch_size=batch_size,
                                               seq_len=seq_len, pad_id=int(target.tokenizer.pad_token_id or 0),
                                               shuffle=False, drop_remainder=False, num_epochs=1, widths=widths)
+  program = step_lib.StepProgram(graphdef, step_lib.LossSettings(steps, decay, assistant_only))
   return _evaluate(batches, max_batches or len(heldout), lambda b: step_lib.eval_step_offline(
-      params, vocab, embed, head_rows, features_lib.device_arrays(b, mesh), draft_graphdef=graphdef, steps=steps,
-      decay=decay, assistant_only=assistant_only))
+      params, vocab, embed, head_rows, features_lib.device_arrays(b, mesh), program=program))
 
 
 def _online_arrays(batch, mesh):
@@ -448,13 +448,14 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     # The training forward may run in bfloat16 (train.target_dtype); the held-out evaluation below keeps the
     # target itself, as at inference.
     forward = with_dtype(target, t.target_dtype) if t.target_dtype else target
+    program = step_lib.StepProgram(graphdef, t.loss, optimizer=optimizer, target_graphdef=forward.graphdef,
+                                   mesh=mesh)
     train_fn = lambda state, batch: step_lib.train_step(  # noqa: E731
-        state, vocab, embed, forward.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=forward.graphdef, optimizer=optimizer, mesh=mesh, **t.train_kwargs)
+        state, vocab, embed, forward.params, _online_arrays(batch, mesh), program=program)
     eval_batches = lambda: data_lib.BatchIterator(heldout, **heldout_batches)  # noqa: E731
+    eval_program = step_lib.StepProgram(graphdef, t.eval_loss, target_graphdef=target.graphdef)
     eval_fn = lambda state, batch: step_lib.eval_step(  # noqa: E731
-        state.params, vocab, embed, target.params, _online_arrays(batch, mesh), draft_graphdef=graphdef,
-        target_graphdef=target.graphdef, **t.eval_loss_kwargs)
+        state.params, vocab, embed, target.params, _online_arrays(batch, mesh), program=eval_program)
   else:
     base_meta["feature_store"] = store_id
     base_meta["feature_store_path"] = store.path
@@ -462,13 +463,13 @@ def train(target: Target, record: layer_ids.LayerSelection, recipe: Recipe, work
     ids = np.arange(draft.config.draft_vocab_size) + np.asarray(jax.device_get(vocab["d2t"][...]))
     head_rows = _replicate(jnp.take(target_head(target), jnp.asarray(ids), axis=1), mesh)  # [D, V_d]
     it = features_lib.FeatureBatchIterator(train_source, slots, **train_iterate)
+    program = step_lib.StepProgram(graphdef, t.loss, optimizer=optimizer, mesh=mesh)
     train_fn = lambda state, batch: step_lib.train_step_offline(  # noqa: E731
-        state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
-        optimizer=optimizer, mesh=mesh, **t.train_kwargs)
+        state, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), program=program)
     eval_batches = lambda: features_lib.FeatureBatchIterator(heldout, slots, **heldout_batches)  # noqa: E731
+    eval_program = step_lib.StepProgram(graphdef, t.eval_loss)
     eval_fn = lambda state, batch: step_lib.eval_step_offline(  # noqa: E731
-        state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), draft_graphdef=graphdef,
-        **t.eval_loss_kwargs)
+        state.params, vocab, embed, head_rows, features_lib.device_arrays(batch, mesh), program=eval_program)
     logging.info("Offline training from %s: %d steps = %.2f epochs of its train split (%d sequences, %d "
                  "steps/epoch).", store.path, t.num_steps, t.num_steps / it.steps_per_epoch, len(train_source),
                  it.steps_per_epoch)

@@ -249,19 +249,15 @@ class TrainOptions:
     return self.schedule_steps or self.num_steps
 
   @property
-  def loss_kwargs(self) -> dict:
-    """`train_step` / `eval_step`'s loss settings."""
-    return dict(steps=self.ttt_steps, decay=self.decay, assistant_only=self.assistant_only)
+  def loss(self) -> step_lib.LossSettings:
+    """The training steps' loss settings (in `StepProgram.loss`)."""
+    return step_lib.LossSettings(self.ttt_steps, self.decay, self.assistant_only, compute_dtype=self.compute_dtype,
+                                 remat=self.remat)
 
   @property
-  def train_kwargs(self) -> dict:
-    """`train_step`'s: the loss settings, the compute dtype and the memory-saving path."""
-    return dict(self.loss_kwargs, compute_dtype=self.compute_dtype, remat=self.remat)
-
-  @property
-  def eval_loss_kwargs(self) -> dict:
-    """`eval_step`'s loss settings: `loss_kwargs` unrolled `eval_ttt_steps` deep when set."""
-    return dict(self.loss_kwargs, steps=self.eval_ttt_steps or self.ttt_steps)
+  def eval_loss(self) -> step_lib.LossSettings:
+    """The evaluation's: unrolled `eval_ttt_steps` deep when set, in float32 without remat (as at inference)."""
+    return step_lib.LossSettings(self.eval_ttt_steps or self.ttt_steps, self.decay, self.assistant_only)
 
   def stop_step(self, start: int) -> int:
     """The step this invocation stops at, resuming from `start`."""

@@ -13,9 +13,10 @@ The draft is split into three pytrees at the jit boundary: trainable `Param`s (i
 vocabulary tables (`VocabMap`, saved with the draft) and the frozen target embedding (`Frozen`, never saved:
 it is the target's).
 
-The optimizer enters the jitted step as its hyperparameters (`OptimizerSettings`, hashable and compared by
-value), and the step builds the optax chain inside the trace: equal settings share one compilation, where an
-optax transformation, a new object per call, would compile the step anew every time one is built.
+A step's static settings travel as one `StepProgram` (the graphdefs, the mesh, the loss's `LossSettings` and
+the optimizer's hyperparameters, `OptimizerSettings`), hashable and compared by value; the step builds the
+optax chain inside the trace: equal settings share one compilation, where an optax transformation, a new
+object per call, would compile the step anew every time one is built.
 
 Legend (`layerwave.axes`): B batch, T tokens, k selected layers, D target width, V_d draft vocabulary.
 """
@@ -135,6 +136,47 @@ def continue_state(state: TrainState, step: int) -> TrainState:
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """How the TTT loss is computed (`losses.ttt_loss`, METHOD §7): hashable and compared by value, so equal
+  settings share one compilation of a step.
+
+  Attributes:
+    steps: K, the unrolled steps.
+    decay: step j weighs decay**j.
+    assistant_only: predict assistant tokens only (else every real token).
+    compute_dtype: the draft's forward and backward passes (`COMPUTE_DTYPES`); the parameters and optimizer
+      state stay float32 (`_compute_inputs`).
+    remat: the memory-saving path for long sequences (`losses.ttt_loss`).
+  """
+
+  steps: int
+  decay: float
+  assistant_only: bool
+  compute_dtype: str = "float32"
+  remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """What a jitted step compiles for, as one static argument (as gemma's `SamplerLoop` is one).
+
+  Attributes:
+    draft_graphdef: the draft's structure (`split_draft`).
+    loss: the loss settings.
+    optimizer: the update's hyperparameters (training steps; None for an evaluation).
+    target_graphdef: the target's structure (online steps, whose forward runs inside the step).
+    mesh: the training mesh; the draft's part of a step then runs with its batch over every device
+      (`spread_batch`). None: as the batch arrives (evaluation).
+  """
+
+  draft_graphdef: Any
+  loss: LossSettings
+  optimizer: OptimizerSettings | None = None
+  target_graphdef: Any = None
+  mesh: Any = None
+
+
 def _compute_inputs(features, embed, compute_dtype: str):
   """The draft's inputs in its compute dtype: the selected layers' features and the frozen embedding.
 
@@ -169,24 +211,25 @@ def spread_batch(mesh, *trees, axis: int = 0):
   return out[0] if len(out) == 1 else tuple(out)
 
 
-def _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch, steps,
-             decay, assistant_only, compute_dtype="float32", remat=False, mesh=None, gate_step=None):
+def _loss_fn(params, vocab, embed, target_params, batch, program: StepProgram, gate_step=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
-  target = nnx.merge(target_graphdef, target_params)
+  loss_settings = program.loss
+  target = nnx.merge(program.target_graphdef, target_params)
   positions = jnp.maximum(jnp.cumsum(attn, axis=-1) - 1, 0)
-  layer_ids = nnx.merge(draft_graphdef, params, vocab, embed).config.layer_ids
+  layer_ids = nnx.merge(program.draft_graphdef, params, vocab, embed).config.layer_ids
   out = target(tokens, positions, causal_mask(attn), return_hidden_states=True, hidden_layers=layer_ids,
                compute_logits=False, valid=attn)
-  features, draft_embed = _compute_inputs(jax.lax.stop_gradient(out.hidden_states), embed, compute_dtype)
-  draft = nnx.merge(draft_graphdef, params, vocab, draft_embed)
+  features, draft_embed = _compute_inputs(jax.lax.stop_gradient(out.hidden_states), embed,
+                                          loss_settings.compute_dtype)
+  draft = nnx.merge(program.draft_graphdef, params, vocab, draft_embed)
   final = jax.lax.stop_gradient(out.last_hidden).astype(jnp.float32)
-  loss_mask = batch["assistant_mask"] if assistant_only else attn
+  loss_mask = batch["assistant_mask"] if loss_settings.assistant_only else attn
   # The offline step's targets, from the fields a feature store would hold (one path: offline == online).
   logp, in_vocab = losses.online_targets(target, final, draft)
-  features = spread_batch(mesh, features, axis=1)
-  logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
-  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay, remat=remat, gate_step=gate_step)
+  features = spread_batch(program.mesh, features, axis=1)
+  logp, in_vocab, tokens, attn, loss_mask = spread_batch(program.mesh, logp, in_vocab, tokens, attn, loss_mask)
+  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=loss_settings.steps,
+                         decay=loss_settings.decay, remat=loss_settings.remat, gate_step=gate_step)
 
 
 def _metrics(loss, aux):
@@ -197,19 +240,19 @@ def _metrics(loss, aux):
           "tokens_j": aux["tokens_j"], "in_vocab_j": aux["in_vocab_j"], "tokens": aux["tokens_j"][0]}
 
 
-def _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay, assistant_only,
-                     compute_dtype="float32", remat=False, mesh=None, gate_step=None):
+def _offline_loss_fn(params, vocab, embed, head_rows, batch, program: StepProgram, gate_step=None):
   tokens, attn = batch["input_ids"], batch["attention_mask"]
+  loss_settings = program.loss
   # Stored features may be bfloat16 on the host and in transfer; the draft reads them in its compute dtype.
-  features, embed = _compute_inputs(batch["features"], embed, compute_dtype)
-  draft = nnx.merge(draft_graphdef, params, vocab, embed)
+  features, embed = _compute_inputs(batch["features"], embed, loss_settings.compute_dtype)
+  draft = nnx.merge(program.draft_graphdef, params, vocab, embed)
   logp, in_vocab = losses.offline_targets(batch["final"].astype(jnp.float32), head_rows, batch["argmax"],
                                           draft)
-  loss_mask = batch["assistant_mask"] if assistant_only else attn
-  features = spread_batch(mesh, features, axis=1)
-  logp, in_vocab, tokens, attn, loss_mask = spread_batch(mesh, logp, in_vocab, tokens, attn, loss_mask)
-  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=steps,
-                         decay=decay, remat=remat, gate_step=gate_step)
+  loss_mask = batch["assistant_mask"] if loss_settings.assistant_only else attn
+  features = spread_batch(program.mesh, features, axis=1)
+  logp, in_vocab, tokens, attn, loss_mask = spread_batch(program.mesh, logp, in_vocab, tokens, attn, loss_mask)
+  return losses.ttt_loss(draft, features, logp, in_vocab, tokens, attn, loss_mask, steps=loss_settings.steps,
+                         decay=loss_settings.decay, remat=loss_settings.remat, gate_step=gate_step)
 
 
 def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
@@ -221,37 +264,27 @@ def _update(state: TrainState, optimizer: OptimizerSettings, loss, aux, grads):
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-TRAIN_STEP_STATIC = ("draft_graphdef", "target_graphdef", "optimizer", "steps", "decay", "assistant_only",
-                     "compute_dtype", "remat", "mesh")
-TRAIN_STEP_OFFLINE_STATIC = ("draft_graphdef", "optimizer", "steps", "decay", "assistant_only", "compute_dtype",
-                             "remat", "mesh")
-
-
-@functools.partial(jax.jit, static_argnames=TRAIN_STEP_STATIC, donate_argnames=("state",))
-def train_step(state: TrainState, vocab, embed, target_params, batch, *, draft_graphdef,
-               target_graphdef, optimizer: OptimizerSettings, steps, decay, assistant_only,
-               compute_dtype: str = "float32", remat: bool = False, mesh=None):
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
+def train_step(state: TrainState, vocab, embed, target_params, batch, *, program: StepProgram):
   """One optimisation step. Returns `(new_state, metrics)`; metrics stay on device (`sim_tau`: this batch's).
 
   A gated draft (`layerwave.models.gates`) samples its gates from the state's step; evaluation reads them
   deterministically.
 
-  `compute_dtype` ("float32" or "bfloat16", `COMPUTE_DTYPES`): the draft's forward and backward passes; the
-  parameters and optimizer state stay float32 (`_compute_inputs`). `remat`: the memory-saving path for long
-  sequences (`losses.ttt_loss`). `mesh`: the training mesh; the draft's part of the step then runs with its batch
-  over every device (`spread_batch`).
+  Args:
+    state: the trainable parameters and optimizer state (donated).
+    vocab, embed: the draft's vocabulary tables and the frozen target embedding (`split_draft`).
+    target_params: the target's parameters (its forward runs inside the step, without gradient).
+    batch: `input_ids`, `attention_mask`, `assistant_mask` `[B, T]`.
+    program: what the step compiles for (static): both graphdefs, the optimizer, the loss and the mesh.
   """
   grad_fn = jax.value_and_grad(_loss_fn, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, target_graphdef,
-                               target_params, batch, steps, decay, assistant_only, compute_dtype, remat, mesh,
-                               state.step)
-  return _update(state, optimizer, loss, aux, grads)
+  (loss, aux), grads = grad_fn(state.params, vocab, embed, target_params, batch, program, state.step)
+  return _update(state, program.optimizer, loss, aux, grads)
 
 
-@functools.partial(jax.jit, static_argnames=TRAIN_STEP_OFFLINE_STATIC, donate_argnames=("state",))
-def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, draft_graphdef,
-                       optimizer: OptimizerSettings, steps, decay, assistant_only, compute_dtype: str = "float32",
-                       remat: bool = False, mesh=None):
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnames=("state",))
+def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, program: StepProgram):
   """One optimisation step from stored features (no target). Returns `(new_state, metrics)` (as `train_step`'s).
 
   Args:
@@ -259,28 +292,20 @@ def train_step_offline(state: TrainState, vocab, embed, head_rows, batch, *, dra
     head_rows: `[D, V_d]` the target's LM head restricted to the draft vocabulary.
     batch: `input_ids`, `attention_mask`, `assistant_mask` `[B, T]`; `features` `[k, B, T, D]` (the draft's
       layers, any float dtype); `final` `[B, T, D]` h_L; `argmax` `[B, T]` int32 (a `FeatureBatch`).
-    draft_graphdef, optimizer, steps, decay, assistant_only, compute_dtype, remat, mesh: as `train_step`.
+    program: as `train_step` (its `target_graphdef` unused).
   """
   grad_fn = jax.value_and_grad(_offline_loss_fn, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
-                               assistant_only, compute_dtype, remat, mesh, state.step)
-  return _update(state, optimizer, loss, aux, grads)
+  (loss, aux), grads = grad_fn(state.params, vocab, embed, head_rows, batch, program, state.step)
+  return _update(state, program.optimizer, loss, aux, grads)
 
 
-@functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "steps", "decay",
-                                             "assistant_only"))
-def eval_step(params, vocab, embed, target_params, batch, *, draft_graphdef, target_graphdef,
-              steps, decay, assistant_only):
-  """Held-out loss, per-step top-1 agreement and its counts (no update)."""
-  loss, aux = _loss_fn(params, draft_graphdef, vocab, embed, target_graphdef, target_params, batch,
-                       steps, decay, assistant_only)
-  return _metrics(loss, aux)
+@functools.partial(jax.jit, static_argnames=("program",))
+def eval_step(params, vocab, embed, target_params, batch, *, program: StepProgram):
+  """Held-out loss, per-step top-1 agreement and its counts (no update; `program.optimizer` unused)."""
+  return _metrics(*_loss_fn(params, vocab, embed, target_params, batch, program))
 
 
-@functools.partial(jax.jit, static_argnames=("draft_graphdef", "steps", "decay", "assistant_only"))
-def eval_step_offline(params, vocab, embed, head_rows, batch, *, draft_graphdef, steps, decay,
-                      assistant_only):
+@functools.partial(jax.jit, static_argnames=("program",))
+def eval_step_offline(params, vocab, embed, head_rows, batch, *, program: StepProgram):
   """`eval_step` from stored features (the batch and `head_rows` as `train_step_offline`'s)."""
-  loss, aux = _offline_loss_fn(params, draft_graphdef, vocab, embed, head_rows, batch, steps, decay,
-                               assistant_only)
-  return _metrics(loss, aux)
+  return _metrics(*_offline_loss_fn(params, vocab, embed, head_rows, batch, program))

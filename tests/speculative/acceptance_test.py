@@ -60,9 +60,9 @@ def ttt_trained_draft(target, sequences, steps=300, ttt_steps=K + 1, seed=4) -> 
   state = jax.device_put(step_lib.init_state(params, optimizer), rep)
   batch = jax.device_put(batch, sharding.batch_sharding(target.mesh))
   for _ in range(steps):
-    state, _ = step_lib.train_step(state, vocab, embed, target.params, batch, draft_graphdef=graphdef,
-                                   target_graphdef=target.graphdef, optimizer=optimizer, steps=ttt_steps,
-                                   decay=0.8, assistant_only=True)
+    state, _ = step_lib.train_step(state, vocab, embed, target.params, batch, program=step_lib.StepProgram(
+        graphdef, step_lib.LossSettings(steps=ttt_steps, decay=0.8, assistant_only=True), optimizer=optimizer,
+        target_graphdef=target.graphdef))
   return nnx.merge(graphdef, state.params, vocab, embed)
 
 

@@ -67,7 +67,8 @@ def test_evaluation_reads_the_other_store_and_training_is_unchanged(stores, tiny
   batch_losses = []
   for batch in it:
     m = step_lib.eval_step_offline(params, vocab, embed, head_rows, features.device_arrays(batch, target.mesh),
-                                   draft_graphdef=graphdef, steps=2, decay=0.8, assistant_only=True)
+                                   program=step_lib.StepProgram(graphdef, step_lib.LossSettings(
+                                       steps=2, decay=0.8, assistant_only=True)))
     hits, tokens = hits + np.asarray(m["hits_j"]), tokens + np.asarray(m["tokens_j"])
     batch_losses.append(float(m["loss"]))
   assert len(batch_losses) == -(-len(heldout) // 2) and np.sum(tokens) > 0

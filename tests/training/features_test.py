@@ -387,14 +387,14 @@ def test_offline_step_equals_online_step_on_identical_data(store32, target, data
   np.testing.assert_array_equal(online.input_ids, offline.input_ids)
   graphdef, params, vocab, embed, head = _draft_and_state(target, offline.argmax[offline.attention_mask > 0])
   on_arrays = {k: v for k, v in online.arrays().items() if k != "example_mask"}
-  kw = dict(steps=3, decay=0.8, assistant_only=False)
+  program = step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=3, decay=0.8, assistant_only=False),
+                                 target_graphdef=target.graphdef)
   online_fn = step_lib._loss_fn  # pylint: disable=protected-access
   offline_fn = step_lib._offline_loss_fn  # pylint: disable=protected-access
   (on_loss, on_aux), on_grads = jax.value_and_grad(online_fn, has_aux=True)(
-      params, graphdef, vocab, embed, target.graphdef, target.params, on_arrays, kw["steps"], kw["decay"],
-      kw["assistant_only"])
+      params, vocab, embed, target.params, on_arrays, program)
   (off_loss, off_aux), off_grads = jax.value_and_grad(offline_fn, has_aux=True)(
-      params, graphdef, vocab, embed, head, offline.arrays(), kw["steps"], kw["decay"], kw["assistant_only"])
+      params, vocab, embed, head, offline.arrays(), program)
   assert float(on_loss) > 1.0 and 0 < float(on_aux["in_vocab_j"][0]) < float(on_aux["tokens_j"][0])
   np.testing.assert_allclose(float(off_loss), float(on_loss), rtol=1e-5)
   for key in ("hits_j", "tokens_j", "in_vocab_j", "acc_j", "acc_in_vocab_j"):
@@ -407,15 +407,13 @@ def test_offline_step_equals_online_step_on_identical_data(store32, target, data
   # The jitted steps agree too (what the loops call).
   optimizer = step_lib.OptimizerSettings(1e-3, 1, 10)
   fresh = lambda: step_lib.init_state(jax.tree.map(jnp.copy, params), optimizer)  # noqa: E731  # donated
-  _, m_on = step_lib.train_step(fresh(), vocab, embed, target.params, on_arrays, draft_graphdef=graphdef,
-                                target_graphdef=target.graphdef, optimizer=optimizer, **kw)
+  trains = dataclasses.replace(program, optimizer=optimizer)
+  _, m_on = step_lib.train_step(fresh(), vocab, embed, target.params, on_arrays, program=trains)
   state = fresh()
-  _, m_off = step_lib.train_step_offline(state, vocab, embed, head, offline.arrays(), draft_graphdef=graphdef,
-                                         optimizer=optimizer, **kw)
+  _, m_off = step_lib.train_step_offline(state, vocab, embed, head, offline.arrays(), program=trains)
   np.testing.assert_allclose(float(m_off["grad_norm"]), float(m_on["grad_norm"]), rtol=1e-5)
-  e_on = step_lib.eval_step(params, vocab, embed, target.params, on_arrays, draft_graphdef=graphdef,
-                            target_graphdef=target.graphdef, **kw)
-  e_off = step_lib.eval_step_offline(params, vocab, embed, head, offline.arrays(), draft_graphdef=graphdef, **kw)
+  e_on = step_lib.eval_step(params, vocab, embed, target.params, on_arrays, program=program)
+  e_off = step_lib.eval_step_offline(params, vocab, embed, head, offline.arrays(), program=program)
   np.testing.assert_array_equal(np.asarray(e_off["acc_j"]), np.asarray(e_on["acc_j"]))
 
 
@@ -440,8 +438,9 @@ def test_a_length_bucketed_batch_trains_as_its_rows_padded_to_full_width(store32
   wide = it.collate([split[i] for i in batch.indices], batch.indices, batch.position, (4, 64))
   graphdef, params, vocab, embed, head = _draft_and_state(target, batch.argmax[batch.attention_mask > 0])
   fn = jax.value_and_grad(step_lib._offline_loss_fn, has_aux=True)  # pylint: disable=protected-access
-  (short_loss, short_aux), short_grads = fn(params, graphdef, vocab, embed, head, batch.arrays(), 3, 0.8, False)
-  (wide_loss, wide_aux), wide_grads = fn(params, graphdef, vocab, embed, head, wide.arrays(), 3, 0.8, False)
+  program = step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=3, decay=0.8, assistant_only=False))
+  (short_loss, short_aux), short_grads = fn(params, vocab, embed, head, batch.arrays(), program)
+  (wide_loss, wide_aux), wide_grads = fn(params, vocab, embed, head, wide.arrays(), program)
   assert float(short_loss) > 1.0
   np.testing.assert_allclose(float(short_loss), float(wide_loss), rtol=1e-5)
   for key in ("hits_j", "tokens_j", "in_vocab_j"):
@@ -474,8 +473,8 @@ def offline_steps(target, store, steps=3):
   arrays = features.device_arrays(batch, target.mesh)
   assert arrays["features"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
   for _ in range(steps):
-    state, m = step_lib.train_step_offline(state, vocab, embed, head, arrays, draft_graphdef=graphdef,
-                                           optimizer=optimizer, steps=2, decay=0.8, assistant_only=True)
+    state, m = step_lib.train_step_offline(state, vocab, embed, head, arrays, program=step_lib.StepProgram(
+        graphdef, step_lib.LossSettings(steps=2, decay=0.8, assistant_only=True), optimizer=optimizer))
   return {"loss": float(m["loss"]), "params": [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)]}
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from layerwave import options as options_lib
 from layerwave.training import options
+from layerwave.training import step as step_lib
 from tests import configs
 
 
@@ -22,7 +23,9 @@ def test_the_configs_sections_build_typed_options():
 def test_derived_settings():
   t = options.TrainOptions(batch_size=2, num_steps=10, stop_after=3, lr=1e-3, warmup_steps=2)
   assert (t.optimizer.lr, t.optimizer.warmup_steps, t.optimizer.total_steps) == (1e-3, 2, 10)
-  assert t.loss_kwargs == {"steps": 7, "decay": 0.8, "assistant_only": True}
+  assert t.loss == step_lib.LossSettings(steps=7, decay=0.8, assistant_only=True)
+  assert dataclasses.replace(t, eval_ttt_steps=3, compute_dtype="bfloat16", remat=True).eval_loss == \
+      step_lib.LossSettings(steps=3, decay=0.8, assistant_only=True)  # evaluation: float32, no remat
   assert t.stop_step(0) == 3 and t.stop_step(9) == 10
   assert dataclasses.replace(t, stop_after=0).stop_step(4) == 10
   assert set(options.TrainOptions.RESUMABLE) <= {f.name for f in dataclasses.fields(t)}

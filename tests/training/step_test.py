@@ -47,9 +47,16 @@ def setup(target, batch_size=4, t=16, seed=0, fsdp=False):
            "assistant_mask": np.ones((batch_size, t), np.int32)}
   batch["attention_mask"][1, 12:] = 0
   batch = jax.device_put(batch, sharding.batch_sharding(target.mesh))
-  kw = dict(draft_graphdef=graphdef, target_graphdef=target.graphdef, optimizer=optimizer, steps=3,
-            decay=0.8, assistant_only=True)
+  kw = dict(program=step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=3, decay=0.8, assistant_only=True),
+                                         optimizer=optimizer, target_graphdef=target.graphdef))
   return state, vocab, embed, batch, kw
+
+
+def _with(kw, **changes):
+  """`kw` with its program's fields (or its loss's: `steps`, `compute_dtype`, `remat`) replaced."""
+  program = kw["program"]
+  loss = {k: changes.pop(k) for k in ("steps", "compute_dtype", "remat") if k in changes}
+  return dict(kw, program=dataclasses.replace(program, loss=dataclasses.replace(program.loss, **loss), **changes))
 
 
 def test_loss_falls_and_step_compiles_once(tmp_path):
@@ -57,12 +64,11 @@ def test_loss_falls_and_step_compiles_once(tmp_path):
   state, vocab, embed, batch, kw = setup(target)
   chex.clear_trace_counter()
   # The library's step function and static arguments, in a fresh jit that fails on a second trace.
-  step = jax.jit(chex.assert_max_traces(step_lib.train_step.__wrapped__, n=1),
-                 static_argnames=step_lib.TRAIN_STEP_STATIC)
+  step = jax.jit(chex.assert_max_traces(step_lib.train_step.__wrapped__, n=1), static_argnames=("program",))
   history = []
   for i in range(120):
     if i == 60:  # an equal optimizer built anew (a resumed run, the next compare cell): no recompile
-      kw = dict(kw, optimizer=dataclasses.replace(kw["optimizer"]))
+      kw = _with(kw, optimizer=dataclasses.replace(kw["program"].optimizer))
     state, m = step(state, vocab, embed, target.params, batch, **kw)
     history.append((float(m["loss"]), np.asarray(m["acc_j"])))
   first, last = history[0], history[-1]
@@ -74,7 +80,7 @@ def test_loss_falls_and_step_compiles_once(tmp_path):
 def test_sim_tau_is_per_batch_in_training_and_left_to_the_pooled_evaluation(tmp_path):
   target = make_peaky_target(str(tmp_path))
   state, vocab, embed, batch, kw = setup(target)
-  eval_kw = {k: v for k, v in kw.items() if k != "optimizer"}
+  eval_kw = _with(kw, optimizer=None)
   e = step_lib.eval_step(state.params, vocab, embed, target.params, batch, **eval_kw)
   assert "sim_tau" not in e and {"hits_j", "tokens_j", "in_vocab_j"} <= set(e)  # training.loop pools these
   _, m = step_lib.train_step(state, vocab, embed, target.params, batch, **kw)
@@ -97,7 +103,8 @@ SCRIPT = """
     split = layerwave.load_target(ARGS[0], mesh=mesh)
     state, vocab, embed, batch, kw = step_test.setup(split, batch_size=8, fsdp=True)
     for _ in range(3):
-      state, m2 = step_lib.train_step(state, vocab, embed, split.params, batch, remat=True, mesh=mesh, **kw)
+      state, m2 = step_lib.train_step(state, vocab, embed, split.params, batch,
+                                      **step_test._with(kw, remat=True, mesh=mesh))
     fc = state.params["fc"]["kernel"][...]
     write_result({"params": leaves, "loss": float(m["loss"]), "fsdp_loss": float(m2["loss"]),
                   "fsdp_params": [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)],
@@ -127,13 +134,11 @@ def test_eight_devices_equal_one(tmp_path):
 def test_remat_keeps_the_loss_and_the_gradients_to_rounding(tmp_path):
   target = make_peaky_target(str(tmp_path))
   state, vocab, embed, batch, kw = setup(target)
-  kw = {k: v for k, v in kw.items() if k not in ("optimizer",)}
   fn = jax.jit(jax.value_and_grad(step_lib._loss_fn, has_aux=True),  # pylint: disable=protected-access
-               static_argnums=(1, 4, 7, 8, 9, 10, 11))
-  args = (state.params, kw["draft_graphdef"], vocab, embed, kw["target_graphdef"], target.params, batch, 3, 0.8,
-          True, "float32")
-  (loss, _), grads = fn(*args, False)
-  (loss_r, _), grads_r = fn(*args, True)
+               static_argnums=(5,))
+  args = (state.params, vocab, embed, target.params, batch)
+  (loss, _), grads = fn(*args, _with(kw, optimizer=None)["program"])
+  (loss_r, _), grads_r = fn(*args, _with(kw, optimizer=None, remat=True)["program"])
   assert float(loss_r) == float(loss)
   for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -146,7 +151,7 @@ def test_freeze_head_leaves_the_lm_head_and_trains_the_rest(tmp_path):
   state = jax.device_put(step_lib.init_state(state.params, frozen), sharding.replicated(target.mesh))
   before = jax.device_get(state.params)
   for _ in range(3):
-    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **dict(kw, optimizer=frozen))
+    state, m = step_lib.train_step(state, vocab, embed, target.params, batch, **_with(kw, optimizer=frozen))
   after = jax.device_get(state.params)
   np.testing.assert_array_equal(after["lm_head"]["kernel"][...], before["lm_head"]["kernel"][...])
   assert not np.array_equal(after["fc"]["kernel"][...], before["fc"]["kernel"][...])
@@ -159,7 +164,7 @@ def test_bfloat16_compute_keeps_float32_state_and_follows_the_float32_step(tmp_p
   precision, and the loss falls on the overfit as in float32."""
   target = make_peaky_target(str(tmp_path))
   state, vocab, embed, batch, kw = setup(target)
-  bf16 = dict(kw, compute_dtype="bfloat16")
+  bf16 = _with(kw, compute_dtype="bfloat16")
   hlo = step_lib.train_step.lower(state, vocab, embed, target.params, batch, **bf16).as_text()
   assert "bf16" in hlo and "bf16" not in step_lib.train_step.lower(
       state, vocab, embed, target.params, batch, **kw).as_text()
