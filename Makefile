@@ -135,7 +135,7 @@ campaign-train: campaign-data
 CAMPAIGN_TIMED ?= 24
 CAMPAIGN_NEW_TOKENS ?= 128
 # It decodes the released draft (bf16 weights, checksums verified: what a user loads), the finished run's export.
-CAMPAIGN_BENCH := experiments/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(DRAFT_RELEASE) \
+CAMPAIGN_BENCH := benchmarks/bench_speculative.py $(CAMPAIGN_RECIPE) --config.draft=$(DRAFT_RELEASE) \
 	--datasets=mtbench,humaneval,gsm8k --config.speculate.max_new_tokens=$(CAMPAIGN_NEW_TOKENS) \
 	--config.speculate.tree_depth=4 --config.speculate.tree_top_k=4 --config.speculate.tree_tokens=16
 CAMPAIGN_TIMED_FLAGS := --num_prompts=$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED),$(CAMPAIGN_TIMED) --methods=chain3,tree,auto \
@@ -427,4 +427,4 @@ test-all: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m '' tests
 
 bench: setup
-	$(PY) experiments/bench_decode.py
+	$(PY) benchmarks/bench_decode.py

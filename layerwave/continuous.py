@@ -4,7 +4,7 @@ Static batching (`layerwave.generate` without `slots`) decodes a batch until its
 that finished early, or that fell into a repetition loop, keeps paying for decode steps. Here, as in
 JetStream's and MaxText's engines, B rows share one preallocated `KVCache [B, S]`:
 
-* decode runs in jitted chunks of `chunk_steps` steps (`_decode`, a `fori_loop`, no host sync inside); a row
+* decode runs in jitted chunks of `chunk_steps` steps (`decode_steps`, a `fori_loop`, no host sync inside); a row
   stops at EOS or at `max_new_tokens`, and a stopped row does not advance;
 * between chunks the host collects every finished row, asks the optional `stop_fn` about the live ones (a
   repetition loop, the start of a new turn: anything the caller would cut afterwards), and refills free rows
@@ -150,8 +150,8 @@ def _insert(graphdef, params, state: SlotState, rows, tokens, lengths, seed_inde
 
 @functools.partial(jax.jit, donate_argnums=(2,), static_argnames=(
     "graphdef", "sampling", "eos_ids", "steps", "read_slots"))
-def _decode(graphdef, params, state: SlotState, base_key, *, sampling, eos_ids, steps,
-            read_slots) -> SlotState:
+def decode_steps(graphdef, params, state: SlotState, base_key, *, sampling, eos_ids, steps,
+                 read_slots) -> SlotState:
   """`steps` decode steps for every live row; attention reads the first `read_slots` cache slots."""
   s, max_new = state.tokens.shape
   rows = jnp.arange(s)
@@ -248,7 +248,8 @@ class Engine:
 
   # -- the loop ------------------------------------------------------------------------------------
 
-  def _refill(self) -> None:
+  def refill(self) -> None:
+    """Prefills queued prompts into the free rows (one prefill per prompt); `step` calls it first."""
     free = [r for r in range(self.slots) if self.rows[r] is None]
     if not free or not self.queue:
       return
@@ -290,8 +291,8 @@ class Engine:
                            self.base_key, sampling=self.sampling, eos_ids=self.eos_ids,
                            max_new_tokens=self.max_new_tokens)
     for bound in bounds:
-      self.state = _decode(t.graphdef, t.params, self.state, self.base_key, sampling=self.sampling,
-                           eos_ids=self.eos_ids, steps=self.chunk_steps, read_slots=bound)
+      self.state = decode_steps(t.graphdef, t.params, self.state, self.base_key, sampling=self.sampling,
+                                eos_ids=self.eos_ids, steps=self.chunk_steps, read_slots=bound)
     jax.block_until_ready(self.state)
     self.state = keep
     return time.perf_counter() - tic
@@ -299,7 +300,7 @@ class Engine:
   def step(self) -> list[Finished]:
     """Refills free rows, decodes one chunk, and returns the requests that finished."""
     tic = time.perf_counter()
-    self._refill()
+    self.refill()
     live = [r for r in range(self.slots) if self.rows[r] is not None]
     if not live:
       return []
@@ -310,8 +311,8 @@ class Engine:
     if live:
       read = self._read_bound(max(int(self.prompt_len[r] + count[r] - 1) for r in live) + self.chunk_steps)
       t = self.target
-      self.state = _decode(t.graphdef, t.params, self.state, self.base_key, sampling=self.sampling,
-                           eos_ids=self.eos_ids, steps=self.chunk_steps, read_slots=read)
+      self.state = decode_steps(t.graphdef, t.params, self.state, self.base_key, sampling=self.sampling,
+                                eos_ids=self.eos_ids, steps=self.chunk_steps, read_slots=read)
       self.stats["chunks"] += 1
       self.stats["row_steps"] += self.slots * self.chunk_steps
       done, count = self._flags()

@@ -2,7 +2,8 @@
 
 The stages import downwards only: base utilities and layer ids → models → data → analysis /
 selection / eagle3 / export → training → speculative → compare; the experiments/ launchers import the
-library, never each other.
+library, never each other; the benchmarks/ scripts import the library's public names (no `module._private`)
+and their shared `harness`, never a launcher or each other.
 """
 
 import ast
@@ -157,6 +158,42 @@ def test_launchers_do_not_import_each_other():
       names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
       assert not set(names) & scripts, f"experiments/{f}.py imports launcher {set(names) & scripts}"
+
+
+def _script_imports(path: str) -> set[str]:
+  tree = ast.parse(open(path, encoding="utf-8").read())
+  names = set()
+  for node in ast.walk(tree):
+    names.update([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+  return names
+
+
+def test_benchmarks_import_only_the_library_and_their_harness():
+  benchmarks = os.path.join(ROOT, "benchmarks")
+  experiments = os.path.join(ROOT, "experiments")
+  scripts = {f[:-3] for d in (benchmarks, experiments) for f in os.listdir(d) if f.endswith(".py")} - {"harness"}
+  for f in sorted(os.listdir(benchmarks)):
+    if f.endswith(".py"):
+      wrong = _script_imports(os.path.join(benchmarks, f)) & scripts
+      assert not wrong, f"benchmarks/{f} imports script {wrong}: shared code goes in the library or the harness"
+
+
+def test_benchmarks_use_public_names_only():
+  """A benchmark reads no `_private` name of the library: what it measures is what a user can call."""
+  benchmarks = os.path.join(ROOT, "benchmarks")
+  private = []
+  for f in sorted(os.listdir(benchmarks)):
+    if not f.endswith(".py"):
+      continue
+    tree = ast.parse(open(os.path.join(benchmarks, f), encoding="utf-8").read())
+    private += [f"benchmarks/{f}:{n.lineno} {n.value.id}.{n.attr}" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                and isinstance(n.value, ast.Name)]
+    private += [f"benchmarks/{f}:{n.lineno} imports {a.name}" for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("layerwave")
+                for a in n.names if a.name.startswith("_")]
+  assert not private, "benchmarks use private names: " + "; ".join(private)
 
 
 def test_import_layerwave_stays_light():

@@ -1,5 +1,5 @@
 """The speculation launchers end to end on the tiny chat target: experiments/speculate.py and
-experiments/bench_speculative.py (both thin over layerwave.speculative.evaluate)."""
+benchmarks/bench_speculative.py (both thin over layerwave.speculative.evaluate)."""
 
 import json
 import os
@@ -13,21 +13,22 @@ CONFIG = "--config=" + os.path.join(ROOT, "configs", "smollm2_135m.py") + ":smok
 
 
 def _run(script, *args):
+  """Runs `script` (a path under the repository, e.g. experiments/speculate.py) with the `:smoke` config."""
   env = {**os.environ, "PYTHONPATH": ROOT}
-  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), CONFIG, *args],
+  return subprocess.run([sys.executable, os.path.join(ROOT, script), CONFIG, *args],
                         check=True, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path):
   common = ["--config.model=" + tiny_chat_target_dir, "--config.draft=random", "--config.layers=2,4,6",
             "--config.speculate.max_new_tokens=4", "--config.speculate.timing_repeats=1"]
-  out = _run("speculate.py", *common, "--workdir=" + str(tmp_path / "spec"))
+  out = _run("experiments/speculate.py", *common, "--workdir=" + str(tmp_path / "spec"))
   with open(tmp_path / "spec" / "spec_metrics.json") as f:
     spec = json.load(f)["spec"]
   assert spec["prompts"] == 2 and spec["equal_to_ar"] == 1.0 and "| chain K=3 | 0 | 2 |" in out.stdout
   with open(tmp_path / "spec" / "spec_generations.jsonl") as f:
     assert len(f.readlines()) == 2
-  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+  out = _run("benchmarks/bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2,tree", "--temperatures=0")
   with open(tmp_path / "bench" / "bench_speculative.json") as f:
     results = json.load(f)["results"]
@@ -41,7 +42,7 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
   assert sorted(os.listdir(rows)) == ["gsm8k-n2-T0-chain2.json", "gsm8k-n2-T0-tree.json"]
   (rows / "gsm8k-n2-T0-tree.json").unlink()
   kept = (rows / "gsm8k-n2-T0-chain2.json").stat().st_mtime
-  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+  out = _run("benchmarks/bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2,tree", "--temperatures=0")
   assert "gsm8k T=0 chain2: kept from" in out.stdout and "gsm8k T=0 tree: tau=" in out.stdout
   assert (rows / "gsm8k-n2-T0-chain2.json").stat().st_mtime == kept
@@ -55,15 +56,15 @@ def test_speculate_and_bench_with_a_random_draft(tiny_chat_target_dir, tmp_path)
   record["fingerprint"] = "recorded-before-target_dtype"
   with open(tmp_path / "bench" / "bench_settings.json", "w") as f:
     json.dump(record, f)
-  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+  out = _run("benchmarks/bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2", "--temperatures=0")
   assert "gsm8k T=0 chain2: kept from" in out.stdout
   with pytest.raises(subprocess.CalledProcessError) as refused:
-    _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
+    _run("benchmarks/bench_speculative.py", *common, "--workdir=" + str(tmp_path / "bench"), "--datasets=gsm8k",
          "--num_prompts=2", "--methods=chain2,tree", "--temperatures=0", "--config.train.target_dtype=bfloat16")
   assert "differing fields: config.train.target_dtype" in refused.value.stderr
   # --nopaired: τ and acceptance only, no plain decoding and no speedup columns.
-  out = _run("bench_speculative.py", *common, "--workdir=" + str(tmp_path / "tau"), "--datasets=gsm8k",
+  out = _run("benchmarks/bench_speculative.py", *common, "--workdir=" + str(tmp_path / "tau"), "--datasets=gsm8k",
              "--num_prompts=2", "--methods=chain2", "--temperatures=0", "--nopaired")
   with open(tmp_path / "tau" / "bench_speculative.json") as f:
     (row,) = json.load(f)["results"]
@@ -88,7 +89,7 @@ def test_speculate_honours_plain_chat_format_on_a_gemma_base_model(tmp_path):
   common = ["--config.model=" + gemma, "--config.draft=random", "--config.layers=1,2,3",
             "--config.data.chat_format=plain", "--config.speculate.max_new_tokens=8",
             "--config.speculate.timing_repeats=1"]
-  _run("speculate.py", *common, "--workdir=" + str(tmp_path / "spec"))
+  _run("experiments/speculate.py", *common, "--workdir=" + str(tmp_path / "spec"))
   with open(tmp_path / "spec" / "spec_metrics.json") as f:
     spec = json.load(f)["spec"]
   assert spec["prompts"] == 2 and spec["equal_to_ar"] == 1.0 and spec["tau"] >= 1.0

@@ -256,7 +256,7 @@ def update_from_outputs(state, hidden, logits, attention_mask, assistant_mask, t
                         options: CollectOptions, mesh=None):
   """The statistics half of `stats_step`, from target outputs (hidden [L+1, B, T, D], logits [B, T, V]).
 
-  Args and returns as `stats_step`; used alone by experiments/bench_stats.py (statistics without the forward).
+  Args and returns as `stats_step`; used alone by benchmarks/bench_stats.py (statistics without the forward).
   """
   entropy = token_filter.token_entropy(logits, options.temperature)  # [B, T]
   return update_from_entropy(state, hidden, entropy, logits.shape[-1], attention_mask, assistant_mask, threshold,
@@ -358,7 +358,9 @@ def init_state(target, options: CollectOptions, mesh) -> dict:
   return make()
 
 
-def _put_batch(batch, mesh):
+def put_batch(batch, mesh) -> list[jax.Array]:
+  """A host batch's [B, T] input_ids, attention_mask and assistant_mask as int32 arrays over the mesh's 'data'
+  axis (each process passes its own rows), in the order `stats_step` takes them."""
   arrays = [np.asarray(a, np.int32) for a in (batch.input_ids, batch.attention_mask, batch.assistant_mask)]
   if arrays[0].ndim != 2 or any(a.shape != arrays[0].shape for a in arrays):
     raise ValueError(f"a batch needs input_ids / attention_mask / assistant_mask of one shape [B, T]; got "
@@ -373,7 +375,7 @@ def _calibrate(target, calibration: list, options: CollectOptions, mesh) -> floa
                                    assistant_only=options.assistant_only))
   entropies, masks = [], []
   for batch in calibration:
-    entropy, eligible = step(target.params, *_put_batch(batch, mesh))
+    entropy, eligible = step(target.params, *put_batch(batch, mesh))
     entropy, eligible = sharding.to_host(entropy), sharding.to_host(eligible)  # the global batch's
     entropies.append(entropy)
     masks.append(eligible & np.isfinite(entropy))
@@ -434,7 +436,7 @@ def collect_stats(target, batches: Iterable, options: CollectOptions | None = No
   compile_seconds = 0.0  # the first batch of every later shape: its compilation is not throughput
   last_positions = 0
   for index, batch in enumerate(stream):
-    arrays = _put_batch(batch, mesh)
+    arrays = put_batch(batch, mesh)
     shape = tuple(arrays[0].shape)
     new_shape = shape not in shapes
     if new_shape and len(shapes) == MAX_SHAPES:

@@ -2,7 +2,7 @@
 
 Place in the pipeline: the second half of `layerwave.aot`. Each builder returns a `StageCall`: the very jitted
 function a launcher calls (`inference.forward_fn`, `collect.stats_step`'s jit, the extraction forward,
-`step.train_step` / `train_step_offline`, `generate._generate`, `continuous._insert` / `_decode`,
+`step.train_step` / `train_step_offline`, `generate._generate`, `continuous._insert` / `decode_steps`,
 `decode._speculate`), its arguments as `jax.ShapeDtypeStruct`s carrying the shardings the launcher gives them
 (`sharding.param_spec` for the target, `step.state_shardings` for the draft's training state, `'data'` for
 batches), and its static settings from the same typed options the launcher builds from its config. Nothing is
@@ -241,7 +241,7 @@ def distill(ctx: Context) -> tuple[StageCall, StageCall]:
                       rep((1,), jnp.int32), rep((1,), jnp.uint32), key),
                      dict(sampling=sampling, eos_ids=(), max_new_tokens=n), p, f"1 prompt of {p} into {slots} slots",
                      "inference")
-  decode_chunk = StageCall("distill_decode", continuous._decode,  # pylint: disable=protected-access
+  decode_chunk = StageCall("distill_decode", continuous.decode_steps,
                            (ctx.graphdef, ctx.params, state, key),
                            dict(sampling=sampling, eos_ids=(), steps=steps, read_slots=cache), slots * steps,
                            f"{slots} slots x {steps} steps, cache {cache}", "inference", loop_steps=steps)

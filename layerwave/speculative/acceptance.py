@@ -16,7 +16,7 @@ n_{i+1} = n_i + m(n_i) + 1. The same predictions give two estimates of τ on tha
 * `marginal_tau`: 1 + Σ_j Π_{i<=j} acc_i from the per-step accuracies alone (training's `simulated_tau`,
   which treats the steps as independent).
 
-`experiments/check_acceptance.py` runs this on a real target and draft; the tests run it on a tiny one.
+`benchmarks/check_acceptance.py` runs this on a real target and draft; the tests run it on a tiny one.
 
 Legend (`layerwave.axes`): B batch, T tokens, K draft depth (the TTT steps).
 """

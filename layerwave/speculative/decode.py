@@ -162,7 +162,7 @@ class SpecState:
   accept_trace: jax.Array
 
 
-def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, valid=None, kernel=None):
+def draft_commit(draft, features, next_tokens, lengths, last_index, cache, valid=None, kernel=None):
   """Draft positions `lengths + i` read (fused target features, next token); returns h at `last_index`.
 
   Args:
@@ -187,7 +187,7 @@ def _draft_commit(draft, features, next_tokens, lengths, last_index, cache, vali
   return jnp.take_along_axis(h, last_index[:, None, None], axis=1)[:, 0], cache
 
 
-def _draft_chain(draft, h, lengths, cache, rng, options: SpecOptions, sampling: SamplingParams):
+def draft_chain(draft, h, lengths, cache, rng, options: SpecOptions, sampling: SamplingParams):
   """Drafts K tokens in a row from feature `h [B, d]`; returns target ids `[B, K]` and q (or None)."""
   sampled = options.draft_sample and not sampling.greedy
   vocab = draft.config.target_vocab_size
@@ -255,7 +255,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
   shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # token t+1 at position t
   shifted = shifted.at[jnp.arange(b), lengths - 1].set(first)
   target = nnx.merge(target_graphdef, target_params)  # its kernel reads the draft's prompt too
-  h, draft_cache = _draft_commit(draft, out.hidden_states, shifted, jnp.zeros((b,), jnp.int32),
+  h, draft_cache = draft_commit(draft, out.hidden_states, shifted, jnp.zeros((b,), jnp.int32),
                                  lengths - 1, draft_cache, valid, CausalKernel(valid, target.attention_impl,
                                                                                target.mesh))
   state = SpecState(
@@ -274,7 +274,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
     rng, key_draft, key_accept = jax.random.split(s.rng, 3)
     q = None
     if options.method == "chain":
-      drafted, q = _draft_chain(draft, s.h, s.lengths, s.draft_cache, key_draft, options, sampling)
+      drafted, q = draft_chain(draft, s.h, s.lengths, s.draft_cache, key_draft, options, sampling)
       cand = tree_lib.chain(s.last, drafted)
     else:
       cand = tree_lib.dynamic_tree(draft, s.last, s.h, s.lengths, s.draft_cache, options.budget)
@@ -287,7 +287,7 @@ def _speculate(target_graphdef, target_params, draft_graphdef, draft_params, tok
       acc = verify.accept_deterministic(cand, o.logits, key_accept, sampling, depth)
     target_cache = o.cache if options.method == "chain" else _commit_path(o.cache, acc.path, s.lengths)
     features = jnp.take_along_axis(o.hidden_states, acc.path[None, :, :, None], axis=2)
-    h, draft_cache = _draft_commit(draft, features, acc.new_tokens, s.lengths, acc.num_accepted,
+    h, draft_cache = draft_commit(draft, features, acc.new_tokens, s.lengths, acc.num_accepted,
                                    s.draft_cache)
     active = ~s.done
     n_new = acc.num_accepted + 1

@@ -5,7 +5,7 @@ Place in the pipeline: after draft training. `chat_prompts` turns MT-bench / Hum
 batches, alone or paired with plain decoding (`timing.paired_speedup`: both decode each batch in alternation,
 so the speedup is the median pair ratio and greedy outputs can be compared token for token); `summary`
 and `acceptance_row` turn an `Evaluation` into the metrics `experiments/speculate.py`,
-`experiments/bench_speculative.py` and `layerwave.compare` write; `table` and `speedup_cell` format them.
+`benchmarks/bench_speculative.py` and `layerwave.compare` write; `table` and `speedup_cell` format them.
 
 Legend (`layerwave.axes`): K draft depth.
 """

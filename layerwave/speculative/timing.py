@@ -1,7 +1,7 @@
 """Speedups as paired, interleaved timings of plain and speculative decoding on the same batches.
 
 The last measurement of the pipeline: every speedup the project reports (`experiments/speculate.py`,
-`experiments/bench_speculative.py`, `layerwave.compare`) comes from `paired_speedup`. On a shared machine
+`benchmarks/bench_speculative.py`, `layerwave.compare`) comes from `paired_speedup`. On a shared machine
 the speed of the same code drifts several-fold as other jobs come and go (BENCHMARKS.md), so plain decoding
 timed once and speculation timed minutes later gives a ratio of two different machines. Here each batch is
 decoded by both, back to back, `repeats` times, in ABBA order (plain first in even pairs, speculative first in

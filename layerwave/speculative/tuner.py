@@ -14,7 +14,7 @@ Nothing is predicted from separately timed parts: such predictions were off by e
 (BENCHMARKS.md, "`method=auto` now times every candidate end to end").
 
 `tune` returns the choice with every candidate's timing, so a launcher can print the table next to what the
-chosen and the fixed settings then measure (experiments/bench_speculative.py).
+chosen and the fixed settings then measure (benchmarks/bench_speculative.py).
 
 Legend (`layerwave.axes`): B batch, K draft depth (the verification reads K + 1 tokens).
 """

@@ -1,6 +1,6 @@
 """Benchmark: where one speculative iteration's time goes at batch 1, against one plain decode step.
 
-  python experiments/bench_iteration.py [--draft=smollm2-135m-instruct-eagle3] [--chains=1,2,3,4]
+  python benchmarks/bench_iteration.py [--draft=smollm2-135m-instruct-eagle3] [--chains=1,2,3,4]
 
 Speculative decoding pays at batch 1 when τ exceeds the iteration's cost in plain decode steps (the break-even
 τ, `timing` module docstring). This splits that cost into its parts, each jitted alone on the real target and
@@ -21,9 +21,9 @@ counted: all of them in float32; a bfloat16 `--dtype` may flip near-ties between
 1-token one, which changes the text from there on (each output is still the bf16 target's own greedy decoding
 of a verified prefix).
 
-  python experiments/bench_iteration.py --dtype=bfloat16 --chains=2,3 --trees=3x3x8
+  python benchmarks/bench_iteration.py --dtype=bfloat16 --chains=2,3 --trees=3x3x8
 
-  python experiments/bench_iteration.py --chains=2,3 --trees=4x4x16,3x2x6
+  python benchmarks/bench_iteration.py --chains=2,3 --trees=4x4x16,3x2x6
 """
 
 from layerwave import runtime  # pylint: disable=g-bad-import-order
@@ -84,13 +84,13 @@ def _parts(target, draft, chains):
 
   def chain_fn(k):
     options = decode.SpecOptions(method="chain", num_draft_tokens=k)
-    fn = jax.jit(lambda p, h, lengths, c, rng: decode._draft_chain(  # pylint: disable=protected-access
+    fn = jax.jit(lambda p, h, lengths, c, rng: decode.draft_chain(
         nnx.merge(draft.graphdef, p), h, lengths, c, rng, options, greedy)[0])
     return lambda: fn(draft.params, h, lengths, dcache, jax.random.key(0))
 
   def commit_fn(t):
     feats = jnp.zeros((len(layer_ids), 1, t, cfg.hidden_size), dtype)
-    fn = jax.jit(lambda p, f, c, lengths: decode._draft_commit(  # pylint: disable=protected-access
+    fn = jax.jit(lambda p, f, c, lengths: decode.draft_commit(
         nnx.merge(draft.graphdef, p), f, jnp.ones((1, t), jnp.int32), lengths, lengths * 0 + t - 1, c))
     return lambda: fn(draft.params, feats, dcache, lengths)
 

@@ -1,6 +1,6 @@
 """Benchmark: one continuous-batching decode step of the target, per slot count and compute dtype.
 
-  python experiments/bench_decode_step.py --slots=16,32,64 --dtypes=float32,bfloat16
+  python benchmarks/bench_decode_step.py --slots=16,32,64 --dtypes=float32,bfloat16
 
 Fills every row of a `layerwave.continuous.Engine` with a random 150-token prompt, then times jitted
 `--steps`-step decode chunks (attention over `--read_slots` cache slots, EOS ignored; the median of
@@ -57,14 +57,14 @@ def main(argv):
       rng = np.random.default_rng(0)
       for _ in range(slots):
         engine.submit(continuous.Request(ids=rng.integers(100, 40000, 150).tolist()))
-      engine._refill()  # pylint: disable=protected-access
+      engine.refill()
       kw = dict(sampling=engine.sampling, eos_ids=engine.eos_ids, steps=_STEPS.value, read_slots=_READ.value)
-      state = continuous._decode(target.graphdef, target.params, engine.state, engine.base_key, **kw)  # pylint: disable=protected-access
+      state = continuous.decode_steps(target.graphdef, target.params, engine.state, engine.base_key, **kw)
       jax.block_until_ready(state)
       times = []
       for _ in range(_REPEATS.value):
         tic = time.perf_counter()
-        state = continuous._decode(target.graphdef, target.params, state, engine.base_key, **kw)  # pylint: disable=protected-access
+        state = continuous.decode_steps(target.graphdef, target.params, state, engine.base_key, **kw)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - tic)
       ms = 1000 * float(np.median(times)) / _STEPS.value

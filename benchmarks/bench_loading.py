@@ -1,9 +1,9 @@
 """Host memory and time of loading a sharded safetensors checkpoint: the whole-checkpoint path against the
 slice-by-slice loader that `load_target` uses.
 
-  python experiments/bench_loading.py                        # Llama-3.2-1B shapes (1.24B parameters), 4 shards
-  python experiments/bench_loading.py --layers=2 --vocab=32000 --runs=whole:float32,slices:bfloat16  # quick
-  python experiments/bench_loading.py --dir=/big/disk/ckpt --keep   # write once, measure again later
+  python benchmarks/bench_loading.py                        # Llama-3.2-1B shapes (1.24B parameters), 4 shards
+  python benchmarks/bench_loading.py --layers=2 --vocab=32000 --runs=whole:float32,slices:bfloat16  # quick
+  python benchmarks/bench_loading.py --dir=/big/disk/ckpt --keep   # write once, measure again later
 
 Writes a random Llama-shaped model as bf16 safetensors shards with their index (by default into a new folder
 under $LAYERWAVE_CACHE, removed at the end unless --keep), then loads it once per run, each in a fresh

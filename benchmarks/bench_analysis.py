@@ -1,6 +1,6 @@
 """Benchmark: the analysis step on length-bucketed batches vs fixed [B, T] batches, real tokens/s.
 
-  python experiments/bench_analysis.py --config=configs/smollm2_135m.py:paper \
+  python benchmarks/bench_analysis.py --config=configs/smollm2_135m.py:paper \
       --config.data.source=distilled:DIR --widths=64,128,256 --steps=8
 
 On the analysis data of `--config` (its `data` section and `analysis` settings, the real target of
@@ -19,24 +19,18 @@ from layerwave import runtime  # pylint: disable=g-bad-import-order
 runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
-import json
-import os
-
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-import jax
 import numpy as np
 
+import harness
 from layerwave import data as data_lib
 from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
-from layerwave import sharding
 from layerwave.analysis import collect
 from layerwave.data.options import DataOptions
-from layerwave.inference import load_target
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "out/bench_analysis", "Where the JSON result goes.")
@@ -45,12 +39,9 @@ _STEPS = flags.DEFINE_integer("steps", 8, "Timed steps per mode (after the warm-
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  mesh = sharding.make_mesh(config.mesh)
-  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  target = harness.start(argv, config)
+  mesh = target.mesh
   data_options = options_lib.from_section(DataOptions, config.data, "data")
   ds = data_options.build(target.tokenizer)
   source = ds.source(options_lib.convert(config.analysis.split, str, "analysis.split"))
@@ -65,7 +56,7 @@ def main(argv):
   threshold = np.float32(1.0)  # any cut: the work does not depend on it
 
   def step(mode, batch):
-    arrays = collect._put_batch(batch, mesh)  # pylint: disable=protected-access
+    arrays = collect.put_batch(batch, mesh)
     states[mode] = step_fn(target.params, states[mode], *arrays, threshold, np.int32(0))
     return states[mode]["tokens"]["kept"]
 
@@ -73,9 +64,7 @@ def main(argv):
   machine = metrics_lib.machine()
   result = {"model": config.model, "data": ds.name, "source": data_options.source, "batch": b, "seq_len": t,
             "dtype": config.dtype, "machine": machine, "modes": rows, "bucketed_over_fixed": ratio}
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  with open(os.path.join(_WORKDIR.value, "bench_analysis.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  harness.write_result(_WORKDIR.value, "bench_analysis.json", result)
   print(f"\n{config.model} ({config.dtype}) on {ds.name}, the analysis step, {b} x {t} token slots per step, "
         f"{_STEPS.value} alternated steps per mode, {machine['cpus']} CPUs\n")
   print(metrics_lib.buckets_table(rows, ratio))

@@ -1,7 +1,7 @@
 """Benchmark: offline draft training from a feature store vs online training, and extraction vs the bare forward.
 
-  python experiments/bench_features.py --workdir=out/bench_features
-  python experiments/bench_features.py --workdir=B --config=configs/smollm2_135m.py --seq_len=256 --ks=3
+  python benchmarks/bench_features.py --workdir=out/bench_features
+  python benchmarks/bench_features.py --workdir=B --config=configs/smollm2_135m.py --seq_len=256 --ks=3
 
 Side by side in one process, on the real target of `--config` (default SmolLM2-135M-Instruct) and real
 ShareGPT sequences of `--seq_len` tokens:
@@ -23,7 +23,6 @@ runtime.configure_host()  # first: numpy and jax read the thread settings when t
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -38,13 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import harness
 from layerwave import data as data_lib
 from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.data.options import DataOptions
-from layerwave.inference import forward_fn, load_target
+from layerwave.inference import forward_fn
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features
 from layerwave.training.features import extraction as extraction_lib
@@ -80,7 +80,7 @@ def bench_forward_and_extraction(target, dataset, store_dir, layers, batch):
   batches = [next(it) for _ in range(_WARMUP.value + _STEPS.value)]
   stored = tuple(d for d in layers if d != target.config.num_layers)
   dtype = jnp.bfloat16 if _DTYPE.value == "bfloat16" else jnp.float32
-  extract_fn = extraction_lib.forward_step(target.mesh, target.graphdef, stored, dtype)  # pylint: disable=protected-access
+  extract_fn = extraction_lib.forward_step(target.mesh, target.graphdef, stored, dtype)
 
   def bare(b):
     ids, mask = jax.device_put(b.input_ids, rows), jax.device_put(b.attention_mask, rows)
@@ -211,12 +211,8 @@ def step_gflop(target, state, vocab, embed, head_rows, pair, k, program):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  mesh = sharding.make_mesh(config.mesh)
-  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  target = harness.start(argv, config)
   layers = layer_ids.parse_layer_ids(_LAYERS.value)
   batch = _BATCH.value
   data = options_lib.from_section(DataOptions, config.data, "data", max_length=_SEQ_LEN.value,
@@ -235,8 +231,7 @@ def main(argv):
   machine = {**metrics_lib.machine(), "dtype": config.dtype}
   result = {"model": config.model, "layers": list(layers), "store_dtype": _DTYPE.value, "machine": machine,
             "extraction": extraction, "steps": steps}
-  with open(os.path.join(_WORKDIR.value, f"bench_features_{'_'.join(parts)}.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  harness.write_result(_WORKDIR.value, f"bench_features_{'_'.join(parts)}.json", result)
   print(f"\n{config.model}, layers {list(layers)}, B={batch} x T={_SEQ_LEN.value}, {machine['cpus']} CPUs, "
         f"median of {_STEPS.value} steps after {_WARMUP.value} warm-up (real tokens/s)\n")
   print("| K | V_d | online step (s) | offline step (s) | online tok/s | offline tok/s | offline / online | "

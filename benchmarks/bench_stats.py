@@ -1,7 +1,7 @@
 """Throughput of the layer statistics (all 31 depths of SmolLM2-135M, D = 576) against the forward and numpy.
 
-  python experiments/bench_stats.py                       # one real ShareGPT batch of 8 x 512, α = 1
-  python experiments/bench_stats.py --batch_size=4 --seq_len=256 --repeats=2
+  python benchmarks/bench_stats.py                       # one real ShareGPT batch of 8 x 512, α = 1
+  python benchmarks/bench_stats.py --batch_size=4 --seq_len=256 --repeats=2
 
 In one process, on the same batch (assistant tokens, 50 % kept by the token-entropy filter):
   (a) statistics alone on device: token entropy + filter + both accumulators (filtered and the matched

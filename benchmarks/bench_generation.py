@@ -1,7 +1,7 @@
 """Benchmark: distillation's static batches vs continuous batching, useful tokens/s side by side.
 
-  python experiments/bench_generation.py --num_prompts=256 --slots=16
-  python experiments/bench_generation.py --config=configs/smollm2_135m.py:recipe --num_prompts=32  # quick
+  python benchmarks/bench_generation.py --num_prompts=256 --slots=16
+  python benchmarks/bench_generation.py --config=configs/smollm2_135m.py:recipe --num_prompts=32  # quick
 
 On the first `--num_prompts` ShareGPT prompts that distillation would answer (`distill.select_prompts` with
 the config's `distill` section: by default `make baseline`'s, prompts <= 192 tokens, answers <= 320, greedy,
@@ -25,7 +25,6 @@ runtime.configure_host()  # first: numpy and jax read the thread settings when t
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import dataclasses
-import json
 import os
 import platform
 import time
@@ -35,7 +34,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from layerwave import atomic
+import harness
 from layerwave import continuous
 from layerwave import options as options_lib
 from layerwave import sharding
@@ -77,9 +76,6 @@ def _continuous(target, prompts, options):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
   options = options_lib.from_section(DistillOptions, config.distill, "distill",
                                      chat_format=config.data.chat_format)
@@ -88,7 +84,7 @@ def main(argv):
   sharding.use_compilation_cache(config.get("compilation_cache", ""))
   sharding.maybe_initialize_distributed(config.distributed)
   sharding.require_single_process("bench_generation")
-  target = load_target(config.model, dtype=config.dtype, mesh=sharding.make_mesh(config.mesh))
+  target = harness.start(argv, config)
   index = decontaminate.EvalIndex.build(decontaminate.eval_prompts(options.exclude_sets), options.exclude_min_chars)
   selected, _ = distill.select_prompts(sources.get_source(options.source), target.tokenizer, options, index)
   warm, prompts = selected[:8], selected[8:8 + _NUM.value]
@@ -126,7 +122,7 @@ def main(argv):
                                                     "continuous": sum(a.loop_cut for a in cont)},
       "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
   }
-  atomic.write_json(os.path.join(_WORKDIR.value, "bench_generation.json"), result)
+  harness.write_result(_WORKDIR.value, "bench_generation.json", result)
   print("| path | seconds | useful tokens | useful tokens/s | row steps | useful / row steps |")
   print("|---|---|---|---|---|---|")
   for m in ("static", "continuous"):

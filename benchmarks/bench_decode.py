@@ -3,7 +3,7 @@
 Same weights (the embedded SmolLM2-135M-Instruct, converted float32), same prompts, same process, greedy,
 fixed lengths (EOS ignored). Prints medians over --repeats runs and the layerwave/PyTorch ratios.
 
-  python experiments/bench_decode.py [--batch_sizes=1,8] [--prompt_len=128] [--new_tokens=128]
+  python benchmarks/bench_decode.py [--batch_sizes=1,8] [--prompt_len=128] [--new_tokens=128]
 """
 
 from layerwave import runtime  # pylint: disable=g-bad-import-order

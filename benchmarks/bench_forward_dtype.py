@@ -1,6 +1,6 @@
 """Benchmark: the extraction forward of the target in float32 and bfloat16, side by side, with what bf16 changes.
 
-  python experiments/bench_forward_dtype.py --shapes=8x256,8x512,16x256 --layers=2,15,27
+  python benchmarks/bench_forward_dtype.py --shapes=8x256,8x512,16x256 --layers=2,15,27
 
 For each [batch, width], times the jitted forward `features.extract` runs (`extraction.forward_step`: every layer,
 the selected depths and the final states out, the greedy next token from chunked logits, no [B, T, V] array)
@@ -49,7 +49,7 @@ def main(argv):
   del argv
   layers = tuple(int(x) for x in _LAYERS.value)
   targets = {d: load_target(_MODEL.value, dtype=d) for d in ("float32", "bfloat16")}
-  fns = {d: extraction.forward_step(t.mesh, t.graphdef, layers, jnp.float32)  # pylint: disable=protected-access
+  fns = {d: extraction.forward_step(t.mesh, t.graphdef, layers, jnp.float32)
          for d, t in targets.items()}
   for shape in _SHAPES.value:
     batch, width = map(int, shape.split("x"))

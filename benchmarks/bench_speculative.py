@@ -14,8 +14,8 @@ spans hours on a CPU). Settings that change what a row measures (the config, --p
 count) are recorded in `W/bench_settings.json`; a rerun with others is refused, naming them. Adding datasets,
 temperatures or methods to a workdir is fine.
 
-  python experiments/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
-  python experiments/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
+  python benchmarks/bench_speculative.py --config=configs/smollm2_135m.py --config.draft=W --workdir=W
+  python benchmarks/bench_speculative.py --config=configs/smollm2_135m.py:smoke --config.draft=random \\
       --workdir=out/bench --datasets=gsm8k --methods=chain3,tree --temperatures=0
 """
 

@@ -1,6 +1,6 @@
 """Does the speculative loop accept what the draft was trained to predict? A real-model equivalence check.
 
-  python experiments/check_acceptance.py --config=configs/smollm2_135m.py:cpu --config.draft=W \\
+  python benchmarks/check_acceptance.py --config=configs/smollm2_135m.py:cpu --config.draft=W \\
       --workdir=OUT --datasets=mtbench,humaneval,gsm8k --num_prompts=8
 
 For each prompt: the target's greedy continuation (`layerwave.generate`), the greedy chain loop
@@ -19,17 +19,14 @@ from layerwave import runtime  # pylint: disable=g-bad-import-order
 runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
-import os
-
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 import numpy as np
 
+import harness
 import layerwave
-from layerwave import atomic
 from layerwave import metrics as metrics_lib
-from layerwave import sharding
 from layerwave.data import chat
 from layerwave.data import sources
 from layerwave.speculative import acceptance
@@ -70,12 +67,10 @@ def check_dataset(target, draft, prompts: list[list[int]], k: int, max_new: int,
 
 
 def main(argv):
-  del argv
-  metrics_lib.quiet_library_logs()
   config = _CONFIG.value
+  target = harness.start(argv, config)
+  metrics_lib.quiet_library_logs()
   s = config.speculate
-  target = layerwave.load_target(config.model, dtype=config.dtype,
-                                 mesh=sharding.make_mesh(config.mesh))
   draft = layerwave.load_draft(config.draft, target)
   k, max_new = int(s.num_draft_tokens), int(s.max_new_tokens)
   results = {}
@@ -93,8 +88,8 @@ def main(argv):
           f"{r['loop_tau']:.3f} | {r['positional_tau']:.3f} | {r['marginal_tau']:.3f} | "
           f"{' '.join(f'{a:.2f}' for a in r['acc'])} |")
   if _WORKDIR.value:
-    atomic.write_json(os.path.join(_WORKDIR.value, "acceptance_check.json"),
-                      {"draft": config.draft, "k": k, "max_new_tokens": max_new, "results": results})
+    harness.write_result(_WORKDIR.value, "acceptance_check.json",
+                         {"draft": config.draft, "k": k, "max_new_tokens": max_new, "results": results})
   bad = sum(r["mismatched"] + r["output_differs"] for r in results.values())
   if bad:
     raise SystemExit(f"{bad} verifications (or outputs) differ from the teacher-forced prediction.")

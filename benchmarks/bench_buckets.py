@@ -1,6 +1,6 @@
 """Benchmark: length-bucketed offline training batches vs fixed [B, T] batches, real tokens/s.
 
-  python experiments/bench_buckets.py --features=STORE --widths=128,256 --batch=8 --seq_len=512
+  python benchmarks/bench_buckets.py --features=STORE --widths=128,256 --batch=8 --seq_len=512
 
 On a feature store (experiments/extract_features.py) of the real target of `--config` (default SmolLM2-135M-
 Instruct), the offline train step (`train_step_offline`, K = `--k`, V_d = `--vocab`) runs on fixed [B, T]
@@ -16,22 +16,20 @@ from layerwave import runtime  # pylint: disable=g-bad-import-order
 runtime.configure_host()  # first: numpy and jax read the thread settings when they load
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
-import json
 import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 import jax
 import numpy as np
 
+import harness
 from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import options as options_lib
 from layerwave import sharding
-from layerwave.inference import load_target
 from layerwave.training import features
 from layerwave.training import loop
 from layerwave.training import step as step_lib
@@ -50,12 +48,9 @@ _STEPS = flags.DEFINE_integer("steps", 12, "Timed steps per mode (after the warm
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  mesh = sharding.make_mesh(config.mesh)
-  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  target = harness.start(argv, config)
+  mesh = target.mesh
   store = features.open_store(_FEATURES.value)
   layers = layer_ids.parse_layer_ids(_LAYERS.value)
   t, b = _SEQ_LEN.value, _BATCH.value
@@ -90,9 +85,7 @@ def main(argv):
   result = {"model": config.model, "store": os.path.abspath(_FEATURES.value), "layers": list(layers), "K": _K.value,
             "V_d": draft.config.draft_vocab_size, "batch": b, "seq_len": t, "machine": machine, "modes": rows,
             "bucketed_over_fixed": ratio}
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  with open(os.path.join(_WORKDIR.value, "bench_buckets.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  harness.write_result(_WORKDIR.value, "bench_buckets.json", result)
   print(f"\n{config.model}, layers {list(layers)}, K={_K.value}, V_d={result['V_d']}, {b} x {t} token slots per "
         f"step, {_STEPS.value} alternated steps per mode, {machine['cpus']} CPUs\n")
   print(metrics_lib.buckets_table(rows, ratio))

@@ -1,6 +1,6 @@
 """Benchmark: the offline draft-training step in float32 against bfloat16 compute, side by side.
 
-  python experiments/bench_train_dtype.py --batch=8 --seq_len=256 --k=3 --vocab=4096
+  python benchmarks/bench_train_dtype.py --batch=8 --seq_len=256 --k=3 --vocab=4096
 
 On the real target of `--config` (default SmolLM2-135M-Instruct: its embedding and LM-head rows), an EAGLE-3
 draft on `--layers` trains offline (`step.train_step_offline`, K = `--k`, V_d = `--vocab`) on batches shaped
@@ -16,7 +16,7 @@ tokens): the draft in `--config`'s `train.compute_dtype`, the target's forward i
 (`train.target_dtype`: the float32 target cast, `inference.with_dtype`), alternated the same way; the last
 line then reads `online step time (target forward): float32 X s, bfloat16 Y s, ratio R`.
 
-  python experiments/bench_train_dtype.py --online --batch=8 --seq_len=256 --k=3 --vocab=2048
+  python benchmarks/bench_train_dtype.py --online --batch=8 --seq_len=256 --k=3 --vocab=2048
 
 Whether bfloat16 should be the default also needs the held-out τ of drafts trained both ways on the same
 store (`--config.train.compute_dtype=bfloat16` in experiments/train_draft.py); BENCHMARKS.md has both.
@@ -28,7 +28,6 @@ runtime.configure_host()  # first: numpy and jax read the thread settings when t
 
 # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 import json
-import os
 import re
 import statistics
 
@@ -42,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from layerwave import atomic
+import harness
 from layerwave import layer_ids
 from layerwave import metrics as metrics_lib
 from layerwave import sharding
-from layerwave.inference import load_target, with_dtype
+from layerwave.inference import with_dtype
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import loop
 from layerwave.training import step as step_lib
@@ -79,12 +78,9 @@ def _dots(hlo: str) -> dict[str, int]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.INFO)
   config = _CONFIG.value
-  mesh = sharding.make_mesh(config.mesh)
-  target = load_target(config.model, dtype=config.dtype, mesh=mesh)
+  target = harness.start(argv, config)
+  mesh = target.mesh
   c = target.config
   ids = layer_ids.parse_layer_ids(_LAYERS.value)
   b, t, k = _BATCH.value, _SEQ_LEN.value, len(ids)
@@ -144,8 +140,7 @@ def main(argv):
             "seq_len": t, "machine": machine, "median_step_s": median, "times": times,
             "first_step_s": compile_s, "dots_in_optimized_hlo": dots, "ratio_f32_over_bf16": ratio,
             "tokens_per_s": {d: b * t / median[d] for d in DTYPES}}
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  atomic.write_json(os.path.join(_WORKDIR.value, "bench_train_dtype.json"), result)
+  harness.write_result(_WORKDIR.value, "bench_train_dtype.json", result)
   print(json.dumps({k_: result[k_] for k_ in ("median_step_s", "dots_in_optimized_hlo", "tokens_per_s")}))
   label = "online step time (target forward)" if _ONLINE.value else "step time"
   print(f"{label}: float32 {median['float32']:.3f} s, bfloat16 {median['bfloat16']:.3f} s, ratio {ratio:.2f}")
