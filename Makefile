@@ -256,7 +256,7 @@ extra-check: campaign-data
 # store of every depth of their first 2,000 conversations (bf16, ~18 GB) and their held-out split in float32;
 # then every layer set x 3 seeds, then the dynamics (eagle3, the 3 best and the 2 worst again at 1/4x and 4x), finalists and predictors
 # (~6 CPU-hours, resumable; PAPER_FLAGS adds --config overrides). What the sweep's CPU-hours make is kept in
-# PAPER_RELEASE (layerwave.compare_release: its settings, the analysis its sets come from, every finished
+# PAPER_RELEASE (layerwave.compare.release: its settings, the analysis its sets come from, every finished
 # result): `make paper-pack` as cells finish, and every paper-* target first restores it, so that on a new machine
 # `make paper-store paper-compare` extracts the store again (~30 min) and goes on from the last packed cell.
 PAPER ?= $(RUNS)/paper
@@ -267,7 +267,7 @@ PAPER_COMPARE := experiments/compare_layers.py $(PAPER_RECIPE) --config.compare.
 	--config.train.features=$(PAPER)/features --config.train.eval_features=$(PAPER)/heldout32 \
 	--workdir=$(PAPER)/compare $(PAPER_FLAGS)
 paper-restore: campaign-data
-	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(PAPER_RELEASE) \
+	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare.release unpack $(PAPER_RELEASE) \
 	    $(PAPER)/compare
 
 paper-analysis: paper-restore
@@ -293,7 +293,7 @@ paper-report: paper-restore
 	$(PY) $(PAPER_COMPARE) --config.compare.report_only=True
 
 paper-pack: setup
-	$(PY) -m layerwave.compare_release pack $(PAPER)/compare $(PAPER_RELEASE) \
+	$(PY) -m layerwave.compare.release pack $(PAPER)/compare $(PAPER_RELEASE) \
 	    "--made-by=make paper-compare (python $(PAPER_COMPARE))"
 
 # The same experiment in small on Gemma-3-270M (configs/gemma3_270m.py:paper): its own plain-format answers to
@@ -320,7 +320,7 @@ paper-gemma: setup
 	    $(PY) -m layerwave.data.release unpack $(GEMMA_ANSWERS_RELEASE) $(GEMMA_PAPER)/distilled
 	test -f $(GEMMA_PAPER)/distilled/manifest.json || $(PY) $(GEMMA_DISTILL)
 	$(MAKE) paper-gemma-pack
-	test ! -f $(GEMMA_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(GEMMA_RELEASE) \
+	test ! -f $(GEMMA_RELEASE)/manifest.json || $(PY) -m layerwave.compare.release unpack $(GEMMA_RELEASE) \
 	    $(GEMMA_PAPER)/compare
 	test -f $(GEMMA_PAPER)/analysis/layer_stats.json || \
 	    $(PY) experiments/analyze.py $(GEMMA_RECIPE) --workdir=$(GEMMA_PAPER)/analysis
@@ -328,7 +328,7 @@ paper-gemma: setup
 	$(PY) experiments/extract_features.py $(GEMMA_RECIPE) --config.features.dir=$(GEMMA_PAPER)/heldout32 \
 	    --config.features.splits=heldout --config.features.dtype=float32
 	$(PY) $(GEMMA_COMPARE)
-	$(PY) -m layerwave.compare_release pack $(GEMMA_PAPER)/compare $(GEMMA_RELEASE) \
+	$(PY) -m layerwave.compare.release pack $(GEMMA_PAPER)/compare $(GEMMA_RELEASE) \
 	    "--made-by=make paper-gemma (python $(GEMMA_COMPARE))"
 
 paper-gemma-pack: setup
@@ -384,9 +384,9 @@ learned-all: campaign-data
 	$(MAKE) learned-campaign LEARNED_KIND=$$($(PY) -m layerwave.training.learned choose $(LEARNED_PILOT)/runs)
 
 learned-restore: campaign-data
-	test ! -f $(LEARNED_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(LEARNED_RELEASE) \
+	test ! -f $(LEARNED_RELEASE)/manifest.json || $(PY) -m layerwave.compare.release unpack $(LEARNED_RELEASE) \
 	    $(LEARNED)/compare
-	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare_release unpack $(PAPER_RELEASE) \
+	test ! -f $(PAPER_RELEASE)/manifest.json || $(PY) -m layerwave.compare.release unpack $(PAPER_RELEASE) \
 	    $(LEARNED)/compare
 
 learned-campaign: learned-restore
@@ -398,7 +398,7 @@ learned-campaign: learned-restore
 	$(MAKE) learned-pack
 
 learned-pack: setup
-	$(PY) -m layerwave.compare_release pack $(LEARNED)/compare $(LEARNED_RELEASE) \
+	$(PY) -m layerwave.compare.release pack $(LEARNED)/compare $(LEARNED_RELEASE) \
 	    "--made-by=make learned-campaign (python $(call LEARNED_GATES,$(LEARNED_KIND),$(PAPER_RECIPE),$(PAPER)) --workdir=$(LEARNED)/compare/learned \
 	--config.draft_model.gate_strength=$(call LEARNED_STRENGTH,$(LEARNED_KIND)); python $(LEARNED_COMPARE))"
 

@@ -27,7 +27,7 @@ from absl import flags
 from layerwave import atomic
 from layerwave import checkpoint as ckpt_lib
 from layerwave import options as options_lib
-from layerwave.compare_table import mean_ci
+from layerwave.compare.summary import mean_ci
 
 _ROOT = flags.DEFINE_string("root", None, "Folder holding the runs' workdirs.")
 _A = flags.DEFINE_string("a", None, "The reference variant (e.g. float32).")

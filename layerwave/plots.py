@@ -161,86 +161,86 @@ def plot_all(folder: str, record: Mapping, selections: Mapping[str, Sequence[int
   return paths
 
 
-def plot_comparison(path: str, summary: Mapping) -> str:
-  """The layer-set comparison (`layerwave.compare.summarize` output): τ per set, objective vs τ, acceptance.
+def plot_comparison(path: str, summary) -> str:
+  """The layer-set comparison (a `layerwave.compare.Summary`): τ per set, objective vs τ, acceptance.
 
   Left: primary τ (mean ± 95 % CI over seeds) per set, baseline dashed. Middle: selection objective against τ
   (one point per set, Spearman ρ in the title). Right: per-depth acceptance of every set.
   """
-  primary = summary["primary"]
-  rows = sorted(summary["rows"], key=lambda r: np.nan_to_num(r["metrics"][primary]["mean"], nan=-1e9))
-  names = [r["name"] for r in rows]
-  means = np.array([r["metrics"][primary]["mean"] for r in rows], np.float64)
-  errs = np.nan_to_num(np.array([r["metrics"][primary]["ci95"] for r in rows], np.float64))
+  primary = summary.primary
+  rows = sorted(summary.rows, key=lambda r: np.nan_to_num(r.metrics[primary].mean, nan=-1e9))
+  names = [r.name for r in rows]
+  means = np.array([r.metrics[primary].mean for r in rows], np.float64)
+  errs = np.nan_to_num(np.array([r.metrics[primary].ci95 for r in rows], np.float64))
   kinds = {"baseline": "C3", "strategy": "C0", "ablation": "C2", "random": "0.6", "manual": "C4"}
-  colors = [kinds.get(r["kind"], "C1") for r in rows]
+  colors = [kinds.get(r.kind, "C1") for r in rows]
   fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, max(4.0, 0.9 + 0.32 * len(rows))),
                                          gridspec_kw={"width_ratios": [1.3, 1, 1]})
   y = np.arange(len(rows))
   left.barh(y, means, xerr=errs, color=colors, capsize=3)
   left.set_yticks(y)
-  left.set_yticklabels([f"{n} {r['ids']}" for n, r in zip(names, rows)], fontsize=8)
-  base = next((r for r in rows if r["name"] == summary["baseline"]), None)
-  if base is not None and np.isfinite(base["metrics"][primary]["mean"]):
-    left.axvline(base["metrics"][primary]["mean"], color="C3", ls="--", lw=1)
+  left.set_yticklabels([f"{n} {list(r.ids)}" for n, r in zip(names, rows)], fontsize=8)
+  base = next((r for r in rows if r.name == summary.baseline), None)
+  if base is not None and np.isfinite(base.metrics[primary].mean):
+    left.axvline(base.metrics[primary].mean, color="C3", ls="--", lw=1)
   finite = means[np.isfinite(means)]
   if finite.size:
     left.set_xlim(max(0.0, finite.min() - 2 * errs.max() - 0.05), finite.max() + 2 * errs.max() + 0.05)
   left.set_xlabel(f"τ ({primary}), mean ± 95% CI")
   left.grid(axis="x", alpha=0.3)
-  objective = np.array([r["objective"] for r in rows])
+  objective = np.array([r.objective for r in rows])
   mid.errorbar(objective, means, yerr=errs, fmt="none", ecolor="0.7", zorder=1)
   mid.scatter(objective, means, c=colors, zorder=2)
   for x, m, n in zip(objective, means, names):
     mid.annotate(n, (x, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
-  corr = summary["spearman_objective"].get(primary, {})
-  mid.set_title(f"Spearman ρ = {corr['rho']:+.2f} (p = {corr['p']:.2g}) over {corr['num_sets']} sets"
-                if corr.get("num_sets", 0) >= 3 else "Spearman ρ: needs at least 3 distinct sets", fontsize=9)
+  corr = summary.spearman_objective.get(primary)
+  mid.set_title(f"Spearman ρ = {corr.rho:+.2f} (p = {corr.p:.2g}) over {corr.num_sets} sets"
+                if corr is not None and corr.num_sets >= 3 else "Spearman ρ: needs at least 3 distinct sets", fontsize=9)
   mid.set_xlabel("selection objective Σ Ê − λ Σ C")
   mid.set_ylabel(f"τ ({primary})")
   mid.grid(alpha=0.3)
   for r, c in zip(rows, colors):
-    if r["acceptance"]:
-      right.plot(np.arange(1, len(r["acceptance"]) + 1), r["acceptance"], "o-", color=c, ms=3, lw=1,
-                 alpha=1.0 if r["kind"] in ("baseline", "strategy") else 0.5)
+    if r.acceptance:
+      right.plot(np.arange(1, len(r.acceptance) + 1), r.acceptance, "o-", color=c, ms=3, lw=1,
+                 alpha=1.0 if r.kind in ("baseline", "strategy") else 0.5)
   right.set_xlabel("draft depth")
   right.set_ylabel("acceptance rate given the path so far")
   right.set_title("per-depth acceptance", fontsize=9)
   right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   right.legend(handles=[matplotlib.lines.Line2D([], [], color=c, marker="o", lw=1, label=k)
-                        for k, c in kinds.items() if any(r["kind"] == k for r in rows)], fontsize=8)
+                        for k, c in kinds.items() if any(r.kind == k for r in rows)], fontsize=8)
   right.grid(alpha=0.3)
   fig.tight_layout()
   return save_figure(fig, path)
 
 
-def plot_sim_tau(path: str, summary: Mapping) -> str:
+def plot_sim_tau(path: str, summary) -> str:
   """The comparison at a glance: held-out sim τ (mean ± 95 % CI over seeds) per set, ordered by the selection
-  objective, the baseline marked; with dynamics (`summary["dynamics"]`), a second panel of each dynamics set's Δ
+  objective, the baseline marked; with dynamics (`summary.dynamics`), a second panel of each dynamics set's Δ
   against the baseline (paired by seed) over the training budget, the baseline's own sim τ under each budget.
 
   Sets of another k than the baseline's (`compare.ks`) sit at the right, after a gap: their objective does not
   compare with the baseline's k.
   """
-  base_name = summary["baseline"]
-  rows = summary["rows"]
-  k = len(next(r for r in rows if r["name"] == base_name)["ids"])
+  base_name = summary.baseline
+  rows = summary.rows
+  k = len(next(r for r in rows if r.name == base_name).ids)
   seen, same_k, other_k = set(), [], []
   for r in rows:
-    if tuple(r["ids"]) not in seen:
-      seen.add(tuple(r["ids"]))
-      (same_k if len(r["ids"]) == k else other_k).append(r)
-  same_k.sort(key=lambda r: r["objective"])
-  other_k.sort(key=lambda r: (len(r["ids"]), r["objective"]))
+    if tuple(r.ids) not in seen:
+      seen.add(tuple(r.ids))
+      (same_k if len(r.ids) == k else other_k).append(r)
+  same_k.sort(key=lambda r: r.objective)
+  other_k.sort(key=lambda r: (len(r.ids), r.objective))
   ordered = same_k + other_k
-  dynamics = summary.get("dynamics") or {}
+  dynamics = summary.dynamics or {}
   fig, axes = plt.subplots(1, 2 if dynamics else 1, figsize=(15 if dynamics else 10, 4.8),
                            gridspec_kw={"width_ratios": [1.6, 1]} if dynamics else None, squeeze=False)
   ax = axes[0, 0]
   x = np.arange(len(ordered)) + np.array([0] * len(same_k) + [1] * len(other_k))
-  means = np.array([r["metrics"]["sim_tau"]["mean"] for r in ordered], np.float64)
-  errs = np.nan_to_num(np.array([r["metrics"]["sim_tau"]["ci95"] for r in ordered], np.float64))
-  is_base = np.array([r["name"] == base_name for r in ordered])
+  means = np.array([r.metrics["sim_tau"].mean for r in ordered], np.float64)
+  errs = np.nan_to_num(np.array([r.metrics["sim_tau"].ci95 for r in ordered], np.float64))
+  is_base = np.array([r.name == base_name for r in ordered])
   ax.errorbar(x[~is_base], means[~is_base], yerr=errs[~is_base], fmt="o", color="C0", capsize=3, ms=5)
   ax.errorbar(x[is_base], means[is_base], yerr=errs[is_base], fmt="*", color="C3", capsize=3, ms=12,
               label=f"{base_name} (baseline)")
@@ -251,11 +251,11 @@ def plot_sim_tau(path: str, summary: Mapping) -> str:
     ax.annotate("other k →", (len(same_k), 1), xycoords=("data", "axes fraction"), xytext=(4, -12),
                 textcoords="offset points", fontsize=8, color="0.4")
   ax.set_xticks(x)
-  ax.set_xticklabels([f"{r['name']}\n{','.join(map(str, r['ids']))}" for r in ordered], rotation=60,
+  ax.set_xticklabels([f"{r.name}\n{','.join(map(str, r.ids))}" for r in ordered], rotation=60,
                      ha="right", fontsize=7)
-  corr = summary["spearman_objective"].get("sim_tau", {})
+  corr = summary.spearman_objective.get("sim_tau")
   title = (f"held-out sim τ by set, ordered by the selection objective (k = {k}); Spearman ρ = "
-           f"{corr['rho']:+.2f} (p = {corr['p']:.2g})" if np.isfinite(corr.get("rho", np.nan))
+           f"{corr.rho:+.2f} (p = {corr.p:.2g})" if corr is not None and np.isfinite(corr.rho)
            else f"held-out sim τ by set, ordered by the selection objective (k = {k})")
   ax.set_title(title, fontsize=9)
   ax.set_ylabel("held-out sim τ, mean ± 95% CI over seeds")
@@ -263,24 +263,23 @@ def plot_sim_tau(path: str, summary: Mapping) -> str:
   ax.legend(fontsize=8, loc="lower right")
   if dynamics:
     dx = axes[0, 1]
-    budgets = sorted(dynamics.values(), key=lambda b: b["budget"])
-    steps = np.array([b["num_steps"] for b in budgets], np.float64)
-    names = [r["name"] for r in budgets[0]["rows"]]
+    budgets = sorted(dynamics.values(), key=lambda b: b.budget)
+    steps = np.array([b.num_steps for b in budgets], np.float64)
+    names = [r.name for r in budgets[0].rows]
     palette = [f"C{j}" for j in range(10) if j != 3]  # C3 (red) is the baseline's
     dx.axhline(0.0, color="C3", lw=2, label=f"{base_name} (baseline)")
     others = [n for n in names if n != base_name]
     for i, name in enumerate(others):
       # Δ against the baseline paired by seed (the gaps are small beside the rise of τ with budget); each set a
       # little to the side, so that the CIs do not hide each other.
-      d = [next(r for r in b["rows"] if r["name"] == name).get("vs_baseline") or {} for b in budgets]
+      d = [next(r for r in b.rows if r.name == name).vs_baseline for b in budgets]
       shift = 2.0 ** (0.06 * (i - (len(others) - 1) / 2))
-      dx.errorbar(steps * shift, [v.get("mean", np.nan) for v in d],
-                  yerr=np.nan_to_num([v.get("ci95", np.nan) for v in d]), capsize=3, marker="o", ms=4, lw=1,
-                  color=palette[i % len(palette)], label=name)
-    base_tau = [next((r["sim_tau"]["mean"] for r in b["rows"] if r["name"] == base_name), np.nan) for b in budgets]
+      dx.errorbar(steps * shift, [v.mean for v in d], yerr=np.nan_to_num([v.ci95 for v in d]), capsize=3,
+                  marker="o", ms=4, lw=1, color=palette[i % len(palette)], label=name)
+    base_tau = [next((r.sim_tau.mean for r in b.rows if r.name == base_name), np.nan) for b in budgets]
     dx.set_xscale("log", base=2)
     dx.set_xticks(steps)
-    dx.set_xticklabels([f"{b['budget']:g}× · {b['num_steps']}\n{base_name} {t:.2f}"
+    dx.set_xticklabels([f"{b.budget:g}× · {b.num_steps}\n{base_name} {t:.2f}"
                         for b, t in zip(budgets, base_tau)], fontsize=8)
     dx.minorticks_off()
     dx.set_xlabel(f"training budget (× cell budget · steps; {base_name}'s sim τ)")

@@ -1,4 +1,4 @@
-"""layerwave.compare_release: a sweep's finished results packed, verified and put back (file handling and
+"""layerwave.compare.release: a sweep's finished results packed, verified and put back (file handling and
 its refusals; tests/compare_test.py round-trips a real sweep through it)."""
 
 import json
@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from layerwave import atomic
-from layerwave import compare_release
-from layerwave.compare_release import ReleaseError
+from layerwave.compare import release as compare_release
+from layerwave.compare.release import ReleaseError
 
 
 def _workdir(root, fingerprint="f1", analysis=""):

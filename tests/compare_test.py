@@ -24,8 +24,9 @@ from scipy import stats as scipy_stats
 
 import layerwave
 from layerwave import compare
-from layerwave import compare_release
-from layerwave import compare_table
+from layerwave.compare import release as compare_release
+from layerwave.compare import summary as compare_summary
+from layerwave.compare import table as compare_table
 from layerwave import layer_ids
 from layerwave.analysis import report
 from layerwave.speculative import evaluate
@@ -123,8 +124,8 @@ def test_other_ks_give_the_last_layer_the_objective_and_even_spacing():
   results = {(s.key, 0): _result(1.0 + 0.1 * i, 1.0, 1.0) for i, s in enumerate({s.key: s for s in all_sets}.values())}
   summary = compare.summarize(all_sets, results, [0], cfg, {"mtbench": None})
   k3 = {tuple(s.ids) for s in all_sets if len(s.ids) == 3}
-  assert summary["spearman_objective"]["T0/all"]["num_sets"] == len(k3)
-  assert summary["spearman_objective"]["T0/all"]["k"] == 3
+  assert summary.spearman_objective["T0/all"].num_sets == len(k3)
+  assert summary.spearman_objective["T0/all"].k == 3
 
 
 def test_budgets_scale_the_schedule_and_name_their_sets():
@@ -238,25 +239,26 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
     for s in order:
       results[(s.key, seed)] = _result(tau[s.key] + 0.01 * seed, 1.0, tau[s.key] + 0.02 * seed)
   summary = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
-  assert summary["spearman_objective"]["T0/all"]["rho"] == pytest.approx(1.0)
-  assert summary["spearman_objective"]["T0/all"]["num_sets"] == len(order)
-  rows = {r["name"]: r for r in summary["rows"]}
+  assert summary.spearman_objective["T0/all"].rho == pytest.approx(1.0)
+  assert summary.spearman_objective["T0/all"].num_sets == len(order)
   base = by_name["eagle3"].key
   for name, s in by_name.items():
-    diff = rows[name]["vs_baseline"]["T0/all"]
-    assert diff["mean"] == pytest.approx(tau[s.key] - tau[base])
-    assert diff["values"] == pytest.approx([tau[s.key] - tau[base]] * 3)
-    assert rows[name]["metrics"]["T0/all"]["mean"] == pytest.approx(tau[s.key] + 0.01)
-    assert rows[name]["acceptance"] == pytest.approx([0.5, 0.2])
+    diff = summary.row(name).vs_baseline["T0/all"]
+    assert diff.mean == pytest.approx(tau[s.key] - tau[base])
+    assert diff.values == pytest.approx([tau[s.key] - tau[base]] * 3)
+    assert summary.row(name).metrics["T0/all"].mean == pytest.approx(tau[s.key] + 0.01)
+    assert summary.row(name).acceptance == pytest.approx([0.5, 0.2])
   table = compare.markdown_table(summary)
   assert "(baseline)" in table and "ρ = +1.00" in table and "τ T1/all" in table and "Δ sim τ vs eagle3" in table
   # Sorted by held-out sim τ instead: the first row is the set of highest sim τ.
   first_ids = lambda t: [l for l in t.splitlines() if l.startswith("| ")][1].split("|")[2].strip()  # noqa: E731
-  flipped = json.loads(json.dumps(summary))  # sim τ ordered against τ, so the two sorts disagree
-  for r in flipped["rows"]:
-    r["metrics"]["sim_tau"]["mean"] = -r["metrics"]["T0/all"]["mean"]
-  best_sim = max(flipped["rows"], key=lambda r: r["metrics"]["sim_tau"]["mean"])["ids"]
-  assert first_ids(compare.markdown_table(dict(flipped, sort_by="sim_tau"))) == ",".join(map(str, best_sim))
+  flipped = dataclasses.replace(summary, rows=tuple(  # sim τ ordered against τ, so the two sorts disagree
+      dataclasses.replace(r, metrics={**r.metrics, "sim_tau": dataclasses.replace(r.metrics["sim_tau"],
+                                                                                  mean=-r.metrics["T0/all"].mean)})
+      for r in summary.rows))
+  best_sim = max(flipped.rows, key=lambda r: r.metrics["sim_tau"].mean).ids
+  assert first_ids(compare.markdown_table(dataclasses.replace(flipped, sort_by="sim_tau"))) == ",".join(
+      map(str, best_sim))
   assert first_ids(compare.markdown_table(flipped)) != ",".join(map(str, best_sim))
   lines = [l for l in table.splitlines() if l.startswith("| ")][1:]
   assert lines[0].split("|")[1].strip().strip("*") == order[-1].name or tau[order[-1].key] == max(tau.values())
@@ -264,7 +266,7 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
   # from sim τ, and no Spearman against a τ that was not measured.
   sim_only = compare.summarize(sets, {key: dict(r, eval={}) for key, r in results.items()}, [0, 1, 2],
                                dataclasses.replace(cfg, num_prompts=0, sort_by="sim_tau"), {})
-  table = compare.markdown_table(dict(sim_only, sort_by="sim_tau"))
+  table = compare.markdown_table(dataclasses.replace(sim_only, sort_by="sim_tau"))
   header, _, first = [l for l in table.splitlines() if l.startswith("| ")][:3]
   assert header.split("|")[1:6] == [" set ", " layers ", " k ", " seeds ", " objective "]
   assert "τ T0" not in header and "held-out sim τ" in header and first.split("|")[4].strip() == "3"
@@ -272,7 +274,7 @@ def test_summarize_paired_differences_and_spearman(tmp_path):
   # A partial run: one seed missing for one set.
   del results[(order[0].key, 2)]
   partial = compare.summarize(sets, results, [0, 1, 2], cfg, {"mtbench": None})
-  assert {r["name"]: r for r in partial["rows"]}[order[0].name]["metrics"]["T0/all"]["n"] == 2
+  assert partial.row(order[0].name).metrics["T0/all"].n == 2
 
 
 @pytest.mark.parametrize("n", [3, 4, 7, 9, 10, 13])
@@ -280,10 +282,10 @@ def test_spearman_p_is_exact_for_few_sets_and_scipys_above(n):
   rng = np.random.default_rng(n)
   x = rng.permutation(n).astype(float)
   for y in (x + 0.1, -x, x + rng.normal(0, n / 2, n), np.round(rng.normal(0, 1, n), 0)):  # ρ = +1, −1, some, ties
-    got = compare_table._spearman(list(zip(x, y)), 3)
+    got = compare.spearman(list(zip(x, y)), 3)
     want = scipy_stats.spearmanr(x, y)
-    assert got["rho"] == pytest.approx(want.statistic) and got["num_sets"] == n
-    if n <= compare_table.EXACT_SPEARMAN_MAX:
+    assert got.rho == pytest.approx(want.statistic) and got.num_sets == n
+    if n <= compare_summary.EXACT_SPEARMAN_MAX:
       ry = scipy_stats.rankdata(y) - scipy_stats.rankdata(y).mean()
 
       def rho(a, axis=-1):  # Spearman's ρ of each row of a against y: the Pearson correlation of their ranks
@@ -293,11 +295,11 @@ def test_spearman_p_is_exact_for_few_sets_and_scipys_above(n):
 
       exact = scipy_stats.permutation_test((x,), rho, permutation_type="pairings", vectorized=True,
                                            n_resamples=400_000)
-      assert got["p"] == pytest.approx(exact.pvalue, abs=1e-9)
+      assert got.p == pytest.approx(exact.pvalue, abs=1e-9)
     else:
-      assert got["p"] == pytest.approx(want.pvalue)
+      assert got.p == pytest.approx(want.pvalue)
   # The case that made the t approximation useless: three sets in perfect order are 2 of 6 orderings.
-  assert compare_table._spearman([(1, 1), (2, 2), (3, 3)], 3)["p"] == pytest.approx(1 / 3)
+  assert compare.spearman([(1, 1), (2, 2), (3, 3)], 3).p == pytest.approx(1 / 3)
 
 
 def test_predictors_by_hand_and_their_spearman():
@@ -320,18 +322,18 @@ def test_predictors_by_hand_and_their_spearman():
   results = {(s.key, 0): _result(1.5, 1.2, 1.0 + 0.01 * max(s.ids) + 0.001 * np.mean(s.ids)) for s in distinct}
   summary = compare.summarize(sets, results, [0], cfg, {"mtbench": None},
                               predictors={s.name: compare.set_predictors(record, s.ids) for s in sets})
-  preds = summary["spearman_predictors"]
+  preds = summary.spearman_predictors
   sim = [results[(s.key, 0)]["train"]["heldout_sim_tau"] for s in distinct]
   want = scipy_stats.spearmanr([max(s.ids) for s in distinct], sim)
-  assert preds["deepest layer"]["sim_tau"]["rho"] == pytest.approx(want.statistic) and want.statistic > 0.9
+  assert preds["deepest layer"]["sim_tau"].rho == pytest.approx(want.statistic) and want.statistic > 0.9
   # 6 sets: the exact p (every pairing), which scipy's permutation test enumerates independently.
   exact = scipy_stats.permutation_test(([max(s.ids) for s in distinct],),
                                        lambda x: scipy_stats.spearmanr(x, sim).statistic,
                                        permutation_type="pairings", n_resamples=10_000)
-  assert preds["deepest layer"]["sim_tau"]["p"] == pytest.approx(exact.pvalue)
-  assert preds["distance to the last layer"]["sim_tau"]["rho"] == pytest.approx(-want.statistic)
-  assert preds["deepest layer"]["sim_tau"]["num_sets"] == len(distinct) == 6
-  assert np.isnan(preds["deepest layer"]["T0/all"]["rho"])  # τ constant across sets: undefined, not an error
+  assert preds["deepest layer"]["sim_tau"].p == pytest.approx(exact.pvalue)
+  assert preds["distance to the last layer"]["sim_tau"].rho == pytest.approx(-want.statistic)
+  assert preds["deepest layer"]["sim_tau"].num_sets == len(distinct) == 6
+  assert np.isnan(preds["deepest layer"]["T0/all"].rho)  # τ constant across sets: undefined, not an error
   table = compare.markdown_table(summary)
   assert "What predicts τ" in table and "| selection objective Σ Ê − λ Σ C |" in table
   assert "Strongest candidate against sim τ" in table
@@ -365,17 +367,17 @@ def test_paired_bootstrap_resamples_prompts_as_a_plain_loop_does():
   calls = rng.integers(5, 30, size=40)
   base = np.stack([calls * 2 + rng.integers(0, 5, 40), calls], 1)
   better = np.stack([base[:, 0] + calls // 3, calls], 1)  # ~+0.33 tokens per verification on every prompt
-  got = compare_table.paired_bootstrap(better, base, num=500, seed=7)
+  got = compare.paired_bootstrap(better, base, num=500, seed=7)
   # The reference: the same resamples, one at a time, τ as Σ emitted / Σ calls in float64.
   idx = np.random.default_rng(7).integers(0, 40, (500, 40))
   ref = [better[i, 0].sum() / better[i, 1].sum() - base[i, 0].sum() / base[i, 1].sum() for i in idx]
   assert got["lo"] == pytest.approx(np.percentile(ref, 2.5)) and got["hi"] == pytest.approx(np.percentile(ref, 97.5))
   assert got["delta"] == pytest.approx(better[:, 0].sum() / calls.sum() - base[:, 0].sum() / calls.sum())
   assert 0 < got["lo"] < got["delta"] < got["hi"] and got["p_le_0"] == 0.0 and got["prompts"] == 40
-  same = compare_table.paired_bootstrap(base, base)
+  same = compare.paired_bootstrap(base, base)
   assert same["delta"] == same["lo"] == same["hi"] == 0.0 and same["p_le_0"] == 1.0
   with pytest.raises(ValueError, match="the same prompts for both"):
-    compare_table.paired_bootstrap(base, base[:-1])
+    compare.paired_bootstrap(base, base[:-1])
 
 
 def test_finalists_are_the_best_by_sim_tau_then_the_baseline():
@@ -395,7 +397,7 @@ def test_finalists_are_the_best_by_sim_tau_then_the_baseline():
   evals = {(s.key, seed): {"eval": {"T0/mtbench": {"prompt_stats": stats(extra)},
                                     "T0/all": {"prompt_stats": stats(extra)}}}
            for s, extra in zip(chosen, (1, 0, 0)) for seed in range(2)}
-  out = compare_table.finalist_summary(chosen, evals, [0, 1], dataclasses.replace(cfg, temperatures=(0.0,)), ["mtbench"])
+  out = compare.finalist_summary(chosen, evals, [0, 1], dataclasses.replace(cfg, temperatures=(0.0,)), ["mtbench"])
   rows = {r["name"]: r for r in out["rows"]}
   first = rows[chosen[0].name]
   assert first["tau"]["T0/all"] == pytest.approx(32 / 13) and first["seeds"] == 2
@@ -470,9 +472,9 @@ def test_table_says_how_speedups_were_timed(seeds):
   results = {(s.key, seed): _timed_eval(0.5 + 0.1 * seed, 0.45 + 0.1 * seed, 0.6 + 0.1 * seed)
              for s in sets for seed in range(seeds)}
   summary = compare.summarize(sets, results, list(range(seeds)), cfg, {"mtbench": None})
-  row = summary["rows"][0]["metrics"]
-  assert row["speedup:T0/all"]["mean"] == pytest.approx(0.5 + 0.1 * (seeds - 1) / 2)
-  assert row["timing_pairs:T0/all"]["values"] == [3] * seeds
+  row = summary.rows[0].metrics
+  assert row["speedup:T0/all"].mean == pytest.approx(0.5 + 0.1 * (seeds - 1) / 2)
+  assert row["timing_pairs:T0/all"].values == (3,) * seeds
   table = compare.markdown_table(summary)
   assert "timed in alternation on the same batches inside each cell" in table
   assert "the median of 3 pair ratios, [p25, p75] of the pairs with one seed" in table
@@ -528,9 +530,9 @@ def test_finalists_decode_once_and_only_what_is_new(monkeypatch, tmp_path):
                                     "accept_lengths": lengths}
 
   monkeypatch.setattr(evaluate, "speculative_generate", spec)
-  monkeypatch.setattr(compare.restore, "load_draft", lambda cell_dir, target: os.path.basename(
+  monkeypatch.setattr(restore, "load_draft", lambda cell_dir, target: os.path.basename(
       os.path.dirname(cell_dir)))
-  monkeypatch.setattr(compare, "eval_prompts", lambda cmp, tokenizer, chat_format, **_: {
+  monkeypatch.setattr(compare.cells, "eval_prompts", lambda cmp, tokenizer, chat_format, **_: {
       "mtbench": [[1] * (i + 1) for i in range(cmp.num_prompts)]})
   cfg = _compare(sets="eagle3", lams="", num_random=0, manual="1,2,3", seeds=1, finalists=1, finalist_prompts=3,
                  temperatures="0")
@@ -660,7 +662,7 @@ def test_compare_layers_smoke_runs_resumes_and_grows(tiny_chat_target_dir, tmp_p
   with open(os.path.join(workdir, "results.md")) as f:
     md = f.read()
   assert "Dynamics: held-out sim τ as the budget grows" in md and "Finalists: speculative τ on 3 mtbench" in md
-  # What the sweep's CPU-hours made, released (layerwave.compare_release) and put back on a "new machine": a
+  # What the sweep's CPU-hours made, released (layerwave.compare.release) and put back on a "new machine": a
   # fresh workdir with no analysis. Nothing trains or decodes again, and the table is the same.
   sweep = str(tmp_path / "sweep-release")
   packed = compare_release.pack(workdir, sweep, commands=["make paper-compare"])

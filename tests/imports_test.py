@@ -26,7 +26,7 @@ LAYERS = (
     ("analysis", ("layerwave.analysis", "layerwave.selection", "layerwave.eagle3", "layerwave.export")),
     ("training", ("layerwave.training",)),
     ("speculative", ("layerwave.speculative",)),
-    ("compare", ("layerwave.compare", "layerwave.compare_table", "layerwave.compare_release")),
+    ("compare", ("layerwave.compare",)),
     ("aot", ("layerwave.aot",)),  # compiles every stage for TPU topologies: it reads them all
 )
 # Optional or heavy third-party dependencies that may be imported where they are used.

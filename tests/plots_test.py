@@ -1,5 +1,7 @@
-"""layerwave.plots: every figure from plain dicts (as read back from the JSON files), written atomically."""
+"""layerwave.plots: every figure from plain dicts (as read back from the JSON files), the comparison's from its
+typed `compare.Summary`, written atomically."""
 
+import dataclasses
 import os
 
 import matplotlib.axes
@@ -8,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from layerwave import compare
 from layerwave import plots
 
 L = 6
@@ -51,34 +54,38 @@ def test_cka_figure_marks_the_compartments_in_red(tmp_path):
   assert red(plain) == 0 and red(boxed) > 50
 
 
+def _summary(rows, metric, correlation):
+  """A `compare.Summary` of `rows` whose only metric is `metric` (the comparison's figures read nothing else)."""
+  return compare.Summary(baseline="eagle3", primary="T0/all", seeds=(0,), metrics=(metric,), rows=tuple(rows),
+                         spearman_objective={metric: correlation}, spearman_predictors={}, cells_done=len(rows))
+
+
 def test_comparison_figure(tmp_path):
   def row(name, kind, tau, objective):
-    return {"name": name, "ids": [1, 2, 3], "kind": kind, "objective": objective, "acceptance": [0.5, 0.2],
-            "metrics": {"T0/all": {"mean": tau, "ci95": 0.05}}}
+    return compare.SetRow(name, (1, 2, 3), kind, objective, metrics={"T0/all": compare.Stat(tau, 0.05)},
+                          acceptance=(0.5, 0.2))
   rows = [row("eagle3", "baseline", 1.3, 0.5), row("exhaustive", "strategy", 1.4, 0.9),
           row("random-0", "random", float("nan"), 0.1)]
-  summary = {"primary": "T0/all", "rows": rows, "baseline": "eagle3",
-             "spearman_objective": {"T0/all": {"rho": float("nan"), "p": float("nan"), "num_sets": 2}}}
+  summary = _summary(rows, "T0/all", compare.Correlation(float("nan"), float("nan"), 2, 3))
   assert _is_png(plots.plot_comparison(str(tmp_path / "compare.png"), summary))
 
 
 def test_sim_tau_figure_marks_the_baseline_and_draws_the_dynamics(tmp_path, monkeypatch):
   def row(name, ids, sim, objective):
-    return {"name": name, "ids": ids, "objective": objective, "metrics": {"sim_tau": {"mean": sim, "ci95": 0.02}}}
-  rows = [row("eagle3", [2, 15, 27], 1.60, 0.5), row("exhaustive", [3, 12, 20], 1.65, 0.9),
-          row("cka_only", [1, 2, 3], 1.55, 0.1), row("last", [30], 1.40, 1.0), row("nan", [4, 5, 6], float("nan"), 0)]
-  summary = {"baseline": "eagle3", "rows": rows,
-             "spearman_objective": {"sim_tau": {"rho": 1.0, "p": 0.0, "num_sets": 3}}}
+    return compare.SetRow(name, ids, "strategy", objective, metrics={"sim_tau": compare.Stat(sim, 0.02)})
+  rows = [row("eagle3", (2, 15, 27), 1.60, 0.5), row("exhaustive", (3, 12, 20), 1.65, 0.9),
+          row("cka_only", (1, 2, 3), 1.55, 0.1), row("last", (30,), 1.40, 1.0), row("nan", (4, 5, 6), float("nan"), 0)]
+  summary = _summary(rows, "sim_tau", compare.Correlation(1.0, 0.0, 3, 3))
   open_before = plt.get_fignums()
   alone = matplotlib.image.imread(plots.plot_sim_tau(str(tmp_path / "alone.png"), summary))
   def dyn_rows(d):  # the dynamics panel draws each set's Δ against the baseline, paired by seed
-    return [{"name": "eagle3", "ids": [2, 15, 27], "sim_tau": {"mean": 1.5 + d, "ci95": 0.01},
-             "vs_baseline": {"mean": 0.0, "ci95": 0.0}},
-            {"name": "exhaustive", "ids": [3, 12, 20], "sim_tau": {"mean": 1.52 + d, "ci95": float("nan")},
-             "vs_baseline": {"mean": 0.02 + d / 10, "ci95": float("nan")}}]
-  summary["dynamics"] = {"x0.25": {"budget": 0.25, "num_steps": 100, "rows": dyn_rows(-0.2)},
-                         "x1": {"budget": 1.0, "num_steps": 400, "rows": dyn_rows(0.0)},
-                         "x4": {"budget": 4.0, "num_steps": 1600, "rows": dyn_rows(0.3)}}
+    nan = float("nan")
+    return (compare.DynamicsRow("eagle3", (2, 15, 27), compare.Stat(1.5 + d, 0.01), compare.Stat(0.0, 0.0)),
+            compare.DynamicsRow("exhaustive", (3, 12, 20), compare.Stat(1.52 + d, nan),
+                                compare.Stat(0.02 + d / 10, nan)))
+  summary = dataclasses.replace(summary, dynamics={"x0.25": compare.Budget(0.25, 100, dyn_rows(-0.2)),
+                                                   "x1": compare.Budget(1.0, 400, dyn_rows(0.0)),
+                                                   "x4": compare.Budget(4.0, 1600, dyn_rows(0.3))})
   drawn, errorbar = [], matplotlib.axes.Axes.errorbar
 
   def spy(ax, x, y, *args, **kwargs):

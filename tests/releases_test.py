@@ -78,7 +78,7 @@ def test_released_drafts_load_by_name_and_decode_as_plain_greedy(directory):
 
 
 def _sweeps():
-  from layerwave import compare_release  # pylint: disable=g-import-not-at-top
+  from layerwave.compare import release as compare_release  # pylint: disable=g-import-not-at-top
   return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "releases", "*", release.MANIFEST))
                 if json.load(open(p, encoding="utf-8")).get("format") == compare_release.FORMAT)
 
@@ -90,7 +90,8 @@ def test_released_sweeps_are_what_their_command_runs_now(directory):
   refusing them; and every released cell records the recipe that config gives its seed and budget."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from layerwave import compare, compare_release  # pylint: disable=g-import-not-at-top
+  from layerwave import compare  # pylint: disable=g-import-not-at-top
+  from layerwave.compare import release as compare_release  # pylint: disable=g-import-not-at-top
   from layerwave.training.options import Recipe, expand_home  # pylint: disable=g-import-not-at-top
   manifest = compare_release.verify(directory)
   command = next(c for c in manifest["commands"] if "compare_layers.py" in c)

@@ -35,7 +35,7 @@ from layerwave.data import sources
 from layerwave.data import tfds_builders
 from layerwave.inference import load_target
 
-__all__ = ["ReleaseError", "pack", "unpack", "verify", "MANIFEST"]
+__all__ = ["ReleaseError", "pack", "unpack", "verify", "MANIFEST", "portable", "sha256"]
 
 MANIFEST = "manifest.json"
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the target of releases whose manifest names none
@@ -125,8 +125,8 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None, extr
       "prompts_covered": sum(len(c["ids"]) for c in prefix),
       "content": content,
       "stats": stats_total,
-      "commands": [_portable(c) for c in commands or (old or {}).get("commands", [])],
-      **({"model": _portable(model)} if model else {}),
+      "commands": [portable(c) for c in commands or (old or {}).get("commands", [])],
+      **({"model": portable(model)} if model else {}),
       **(extra or {}),
       "sha256": {name: sha256(os.path.join(release_dir, name)) for name in files},
   }
@@ -143,7 +143,7 @@ def _workdir_model(workdir: str) -> str | None:
     return json.load(f).get("target", {}).get("model")
 
 
-def _portable(command: str) -> str:
+def portable(command: str) -> str:
   """`command` with this machine's home directory written as `~`, so that no manifest names a local path."""
   home = os.path.expanduser("~").rstrip("/")
   return command.replace(home + "/", "~/") if home and home != "~" else command

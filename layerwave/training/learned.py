@@ -65,7 +65,7 @@ class LearnedOptions:
     ks: the selection sizes written (each "learned_gates-k<k>").
     seeds: gated runs, seeds 0..seeds-1 (initialisation, data order, gate noise).
     candidates: the depths the gates choose among; () = 1..L-1 (docs/METHOD.md §1).
-    sweep: a comparison workdir or its release (`layerwave.compare_release`) whose 1x cells the gates are scored
+    sweep: a comparison workdir or its release (`layerwave.compare.release`) whose 1x cells the gates are scored
       against ("" = no predictor or paired Δ in the report).
     baseline: the sweep's layer set the gated cells are paired with (ids, "" = EAGLE-3's rule).
   """

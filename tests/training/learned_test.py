@@ -200,7 +200,7 @@ def test_a_learned_selection_file_reads_as_compare_manual(tmp_path):
 
 
 def test_a_campaign_release_keeps_the_gates_beside_the_sweeps_cells(tmp_path):
-  from layerwave import compare_release  # pylint: disable=g-import-not-at-top
+  from layerwave.compare import release as compare_release  # pylint: disable=g-import-not-at-top
   work, analysis = tmp_path / "compare", tmp_path / "analysis"
   with open(os.path.join(RELEASE, "compare.json")) as f:
     recorded = json.load(f)

@@ -1,6 +1,6 @@
 """A comparison's finished work as a release: what a sweep's CPU-hours made, kept in the repository.
 
-A sweep of the paper's experiment (`layerwave.compare`) spans sessions and machines; its feature store can be
+A sweep of the paper's experiment (`layerwave.compare`) spans days and machines; its feature store can be
 extracted again in minutes, but its cells cost hours. A release keeps what cannot be rebuilt cheaply and
 nothing that can: the sweep's settings (`compare.json`), the statistics its layer sets were chosen from (the
 analysis' `layer_stats.json`: an analysis run again on another machine could round a selection differently),
@@ -8,9 +8,9 @@ and every finished result (each cell's `result.json`, the probes, the finalists'
 evaluations) in one JSON file, with a manifest (counts, commands, the SHA-256 of every file). `unpack` puts
 them back into a workdir, where `experiments/compare_layers.py` skips the finished cells and goes on.
 
-  python -m layerwave.compare_release pack WORKDIR RELEASE_DIR [--made-by=COMMAND]   # as cells finish
-  python -m layerwave.compare_release unpack RELEASE_DIR WORKDIR                       # before resuming
-  python -m layerwave.compare_release verify RELEASE_DIR
+  python -m layerwave.compare.release pack WORKDIR RELEASE_DIR [--made-by=COMMAND]   # as cells finish
+  python -m layerwave.compare.release unpack RELEASE_DIR WORKDIR                       # before resuming
+  python -m layerwave.compare.release verify RELEASE_DIR
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def pack(workdir: str, release_dir: str, commands: list[str] | None = None) -> d
         "cells": len(cells),
         "cells_by_budget": _by_budget(cells),
         "other_results": sorted(r for r in results if not r.startswith("cells/")),
-        "commands": [answers_release._portable(c) for c in commands or (old or {}).get("commands", [])],
+        "commands": [answers_release.portable(c) for c in commands or (old or {}).get("commands", [])],
         "sha256": {name: answers_release.sha256(os.path.join(staging, name)) for name in sorted(os.listdir(staging))},
     }
     atomic.write_json(os.path.join(staging, answers_release.MANIFEST), manifest)
@@ -178,13 +178,13 @@ def unpack(release_dir: str, workdir: str) -> dict[str, Any]:
 def main(argv: list[str]) -> None:
   made_by = [a.split("=", 1)[1] for a in argv[2:] if a.startswith("--made-by=")]
   args = [a for a in argv[1:] if not a.startswith("--made-by=")]
-  usage = ("usage: python -m layerwave.compare_release pack WORKDIR RELEASE_DIR [--made-by=COMMAND ...] | "
+  usage = ("usage: python -m layerwave.compare.release pack WORKDIR RELEASE_DIR [--made-by=COMMAND ...] | "
            "unpack RELEASE_DIR WORKDIR | verify RELEASE_DIR")
   if not args or args[0] not in ("pack", "unpack", "verify") or len(args) != (2 if args[0] == "verify" else 3) or (
       made_by and args[0] != "pack"):
     raise SystemExit(usage)
   if args[0] == "pack":
-    m = pack(args[1], args[2], commands=made_by + [" ".join(["python -m layerwave.compare_release"] + args)])
+    m = pack(args[1], args[2], commands=made_by + [" ".join(["python -m layerwave.compare.release"] + args)])
   elif args[0] == "unpack":
     m = unpack(args[1], args[2])
   else:
