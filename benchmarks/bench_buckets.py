@@ -32,6 +32,7 @@ from layerwave import options as options_lib
 from layerwave import sharding
 from layerwave.training import features
 from layerwave.training import loop
+from layerwave.training import sources
 from layerwave.training import step as step_lib
 from layerwave.training.options import DraftModelOptions, TrainOptions
 
@@ -68,7 +69,7 @@ def main(argv):
   embed = jax.tree.map(lambda _: target.params["embed_tokens"]["embedding"][...], embed)
   ids = np.arange(draft.config.draft_vocab_size) + np.asarray(jax.device_get(vocab["d2t"][...]))
   rep = sharding.replicated(mesh)
-  head = jax.device_put(loop.target_head(target)[:, ids], rep)
+  head = jax.device_put(sources.target_head(target)[:, ids], rep)
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   optimizer = step_lib.OptimizerSettings(1e-3, 2, 1000)
   kw = dict(program=step_lib.StepProgram(graphdef, step_lib.LossSettings(steps=_K.value, decay=0.8, assistant_only=True),

@@ -48,7 +48,7 @@ from layerwave.inference import forward_fn
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features
 from layerwave.training.features import extraction as extraction_lib
-from layerwave.training import loop
+from layerwave.training import sources
 from layerwave.training import step as step_lib
 from layerwave.training import vocab as vocab_lib
 
@@ -147,7 +147,7 @@ def bench_steps(target, dataset, store, layers, k, batch):
   optimizer = step_lib.OptimizerSettings(1e-3, 2, 100)
   rep = sharding.replicated(target.mesh)
   ids = np.arange(v_d) + d2t
-  head_rows = jax.device_put(jnp.take(loop.target_head(target), jnp.asarray(ids), axis=1), rep)
+  head_rows = jax.device_put(jnp.take(sources.target_head(target), jnp.asarray(ids), axis=1), rep)
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   states = {m: jax.device_put(step_lib.init_state(jax.tree.map(jnp.copy, params), optimizer), rep)
             for m in ("online", "offline")}

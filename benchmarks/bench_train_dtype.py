@@ -48,6 +48,7 @@ from layerwave import sharding
 from layerwave.inference import with_dtype
 from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import loop
+from layerwave.training import sources
 from layerwave.training import step as step_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2_135m.py", lock_config=True)
@@ -92,7 +93,7 @@ def main(argv):
   graphdef, params, vocab, embed = step_lib.split_draft(draft)
   embed = jax.tree.map(lambda _: embedding, embed)
   rep = sharding.replicated(mesh)
-  head = jax.device_put(loop.target_head(target)[:, :_VOCAB.value], rep)
+  head = jax.device_put(sources.target_head(target)[:, :_VOCAB.value], rep)
   vocab, embed = jax.device_put(vocab, rep), jax.device_put(embed, rep)
   optimizer = step_lib.OptimizerSettings(1e-3, 2, 1000)
   rng = np.random.default_rng(0)

@@ -16,6 +16,7 @@ from layerwave import sharding
 from layerwave.data.options import DataOptions
 from layerwave.training import features
 from layerwave.training import loop
+from layerwave.training import sources
 from layerwave.training import losses
 from layerwave.training import step as step_lib
 from tests.training.features_test import LAYERS, tiny_config
@@ -62,7 +63,7 @@ def test_evaluation_reads_the_other_store_and_training_is_unchanged(stores, tiny
                                      pad_id=int(target.tokenizer.pad_token_id or 0), shuffle=False,
                                      drop_remainder=False, num_epochs=1)
   ids = np.arange(draft.config.draft_vocab_size) + np.asarray(draft.d2t[...])
-  head_rows = np.take(np.asarray(loop.target_head(target)), ids, axis=1)
+  head_rows = np.take(np.asarray(sources.target_head(target)), ids, axis=1)
   hits = tokens = 0.0
   batch_losses = []
   for batch in it:

@@ -31,6 +31,7 @@ from layerwave.models.draft import Draft, DraftConfig
 from layerwave.training import features
 from layerwave.training import losses
 from layerwave.training import loop
+from layerwave.training import sources
 from layerwave.training import step as step_lib
 from layerwave.training.features import extraction
 from layerwave.training.features import store as store_lib
@@ -378,7 +379,7 @@ def _draft_and_state(target, argmax, seed=0):
   draft.d2t[...] = jnp.asarray(ids - np.arange(len(ids)), jnp.int32)
   draft.t2d[...] = jnp.zeros(target.config.vocab_size, bool).at[ids].set(True)
   graphdef, params, vocab, embed = step_lib.split_draft(draft)
-  head = loop.target_head(target)[:, ids]
+  head = sources.target_head(target)[:, ids]
   return graphdef, params, vocab, embed, head
 
 
