@@ -9,6 +9,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import layerwave
@@ -31,13 +32,14 @@ write_result({"processes": jax.process_count(), "stats": stats,
 """
 
 
-def _stage(script, tmp_path, name, *args, num_processes):
+def _stage(script, tmp_path, name, *args, num_processes, timeout=600):
   """The script in `num_processes` real processes (1: in this one, the reference), in workdir name-N."""
   workdir = tmp_path / f"{name}-{num_processes}"
   workdir.mkdir()
   if num_processes == 1:
     return [multihost.run_here(script, *args, str(workdir))]
-  return multihost.run_in_processes(script, workdir, *args, str(workdir), num_processes=num_processes)
+  return multihost.run_in_processes(script, workdir, *args, str(workdir), num_processes=num_processes,
+                                    timeout=timeout)
 
 
 def test_analysis_in_two_processes_equals_one(tiny_chat_target_dir, tmp_path):
@@ -174,3 +176,54 @@ def test_extraction_and_offline_training_in_two_processes_equal_one(tiny_chat_ta
   for i in range(len(a)):
     for key in ("hidden", "final", "argmax", "input_ids"):
       np.testing.assert_allclose(np.asarray(b[i][key]), np.asarray(a[i][key]), atol=1e-5)
+
+
+_COMPARE = """
+from layerwave import atomic
+from layerwave import compare
+from tests import configs
+config = configs.load("smoke")  # the smallest sweep the tests run: eagle3 and exhaustive, one seed, timed
+config.model, config.distributed = ARGS[0], DISTRIBUTED
+workdir = os.path.join(ARGS[1], "compare")
+written, atomic_file = [], atomic.atomic_file
+
+
+def spy(path, *args, **kwargs):  # every file a stage writes goes through atomic.atomic_file
+  written.append(os.path.relpath(os.path.abspath(path), workdir))
+  return atomic_file(path, *args, **kwargs)
+
+
+atomic.atomic_file = spy
+try:
+  summary = compare.run(config, workdir)
+finally:
+  atomic.atomic_file = atomic_file
+results = json.load(open(os.path.join(workdir, "results.json"))) if PROCESS == 0 else None
+write_result({"processes": jax.process_count(), "written": sorted(set(written)), "summary": summary.to_json(),
+              "results": results})
+"""
+
+
+@pytest.mark.slow  # an analysis and two cells, once in one process and once in two: ~19 min on two busy cores
+def test_compare_in_two_processes_equals_one_and_process_0_writes(tiny_chat_target_dir, tmp_path):
+  """The sweep under `config.distributed` in two processes: both train and decode every cell over the global mesh,
+  process 0 alone writes the workdir (cells, results, table, figures, the analysis), and the table equals one
+  process's: the same sets, held-out sim τ and speculative τ (the timings aside)."""
+  one, = _stage(_COMPARE, tmp_path, "compare", tiny_chat_target_dir, num_processes=1)
+  two = _stage(_COMPARE, tmp_path, "compare", tiny_chat_target_dir, num_processes=2, timeout=1800)
+  assert one["processes"] == 1 and [r["processes"] for r in two] == [2, 2]
+  assert two[1]["written"] == [] and two[0]["written"] == one["written"]
+  assert {"results.json", "results.md", "plots/compare.png", "cells/L2-4-5/seed0/result.json",
+          "analysis/layer_stats.json"} <= set(two[0]["written"])
+  a, b = one["summary"], two[0]["summary"]
+  same = lambda x, y: json.dumps(x) == json.dumps(y)  # noqa: E731  (NaN, a one-seed CI, equals itself here)
+  assert same(two[0]["results"], b) and same(two[1]["summary"]["rows"], b["rows"])  # what process 0 wrote, all hold
+  assert [r["ids"] for r in a["rows"]] == [r["ids"] for r in b["rows"]] and b["rows"][0]["ids"] == [2, 4, 5]
+  assert a["cells_done"] == b["cells_done"] == 2
+  for ra, rb in zip(a["rows"], b["rows"]):
+    for metric in ("sim_tau", "T0/all", "T0/mtbench"):
+      np.testing.assert_allclose(rb["metrics"][metric]["values"], ra["metrics"][metric]["values"], rtol=2e-4,
+                                 err_msg=f"{ra['name']} {metric}")
+    np.testing.assert_allclose(rb["acceptance"], ra["acceptance"], rtol=2e-4, atol=1e-6)
+    assert rb["metrics"]["equal_to_ar:T0/all"]["values"] == [1.0]  # greedy speculation = plain decoding
+    assert rb["metrics"]["timing_pairs:T0/all"]["values"] == ra["metrics"]["timing_pairs:T0/all"]["values"]
