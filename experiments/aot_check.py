@@ -10,6 +10,11 @@ left, or by how much it does not and what to change), compile seconds, FLOPs and
 and the roofline time with the tokens/s it implies. Every figure is compiled, not run.
 """
 
+from layerwave import runtime  # pylint: disable=g-bad-import-order
+
+runtime.configure_host()  # first: numpy and jax read the thread settings when they load
+
+# pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 from absl import app
 from absl import flags
 from ml_collections import config_flags
