@@ -167,11 +167,17 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
 
   g = draft.fuse(features, gate_step)
   diag = draft.ttt_init(tokens.shape[0], t, steps, dtype=g.dtype)
-  block = TTT_QUERY_BLOCK if remat else None
+
+  def draft_step(h, j, base, diag, **kwargs):
+    """Unrolled step j: `Draft.ttt_step` on its shifted inputs, then its loss terms."""
+    h, logits, base, diag = draft.ttt_step(h, _shift(tokens_p, j + 1, t), positions + j, j, base, diag, key_mask,
+                                           **kwargs)
+    return h, base, diag, step_terms(j, logits)
+
   if remat:
-    losses, counts = _ttt_scan(draft, g, diag, tokens_p, positions, key_mask, steps, block, step_terms)
+    losses, counts = _ttt_scan(draft_step, g, diag, steps)
   else:
-    losses, counts = _ttt_unrolled_first(draft, g, diag, tokens_p, positions, key_mask, steps, step_terms)
+    losses, counts = _ttt_unrolled_first(draft_step, g, diag, steps)
   hits, tokens_j, in_vocab_j = counts[:, 0], counts[:, 1], counts[:, 2]
   weights = decay ** jnp.arange(steps, dtype=jnp.float32)
   total = jnp.sum(weights * losses)
@@ -182,40 +188,34 @@ def ttt_loss(draft: Draft, features: jax.Array, target_logp: jax.Array, in_vocab
                  "tokens_j": tokens_j, "in_vocab_j": in_vocab_j}
 
 
-def _ttt_scan(draft, g, diag, tokens_p, positions, key_mask, steps, block, step_terms):
-  """Every unrolled step, step 0 included, as one rematerialised `lax.scan` body (the memory-saving path).
+def _ttt_scan(draft_step, g, diag, steps):
+  """Every unrolled step, step 0 included, as one rematerialised `lax.scan` body (the memory-saving path): the
+  attention in `TTT_QUERY_BLOCK` query rows at a time.
 
   The step is compiled once, not twice (step 0 outside the loop, steps 1..K-1 in it): an 8B-wide draft step
   with its backward takes minutes to compile for a TPU (BENCHMARKS.md, "At scale"). Step 0's keys and values
   become the base the later steps read (`Draft.ttt_step(base_at_zero=True)`).
   """
-  t = positions.shape[1]
   kv_shape = diag[0][0].shape[1:]  # [B, T, G, Dh]
   base = tuple((jnp.zeros(kv_shape, kd.dtype), jnp.zeros(kv_shape, vd.dtype)) for kd, vd in diag)
 
   @jax.checkpoint
   def body(carry, j):
     h, base, diag = carry
-    h, logits, base, diag = draft.ttt_step(h, _shift(tokens_p, j + 1, t), positions + j, j, base, diag,
-                                           key_mask, block, base_at_zero=True)
-    return (h, base, diag), step_terms(j, logits)
+    h, base, diag, terms = draft_step(h, j, base, diag, query_block=TTT_QUERY_BLOCK, base_at_zero=True)
+    return (h, base, diag), terms
 
   _, (losses, counts) = jax.lax.scan(body, (g, base, diag), jnp.arange(steps, dtype=jnp.int32))
   return losses, counts
 
 
-def _ttt_unrolled_first(draft, g, diag, tokens_p, positions, key_mask, steps, step_terms):
+def _ttt_unrolled_first(draft_step, g, diag, steps):
   """Step 0 (which computes the base keys) then steps 1..K-1 in a `lax.scan`, nothing rematerialised."""
-  t = positions.shape[1]
-  zero = jnp.asarray(0, jnp.int32)
-
-  h, logits, base, diag = draft.ttt_step(g, _shift(tokens_p, 1, t), positions, zero, None, diag, key_mask)
-  loss0, counts0 = step_terms(zero, logits)
+  h, base, diag, (loss0, counts0) = draft_step(g, jnp.asarray(0, jnp.int32), None, diag)
 
   def body(carry, j):
-    h, diag = carry
-    h, logits, _, diag = draft.ttt_step(h, _shift(tokens_p, j + 1, t), positions + j, j, base, diag, key_mask)
-    return (h, diag), step_terms(j, logits)
+    h, _, diag, terms = draft_step(carry[0], j, base, carry[1])
+    return (h, diag), terms
 
   if steps == 1:
     return loss0[None], counts0[None]
