@@ -26,7 +26,7 @@ engine, whether it applies them, rather than refusing a file the current engines
 The reading side's public names (`load_eagle3`, `is_eagle3_dir`, `read_tensors`, `engine_layer_ids`, ...)
 stay importable from here.
 
-Legend (`layerwave.axes`): V target vocabulary.
+Legend (`layerwave.axes`): D target width, V target vocabulary.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ freshly shuffled epochs as often as that takes (the log names the number of epoc
 `num_steps = E * steps_per_epoch`. With the same seed the offline stream visits the same sequences in the same
 order as the online one over the dataset the store was extracted from.
 
-Legend (`layerwave.axes`): D target width, V target vocabulary, V_d draft vocabulary.
+Legend (`layerwave.axes`): D target width, V target vocabulary.
 """
 
 from __future__ import annotations

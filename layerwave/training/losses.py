@@ -19,7 +19,7 @@ draft vocabulary as a miss: such a token can never be drafted, so it can never b
 SpecForge count it). `acc_in_vocab_j` is the same agreement over in-vocabulary positions only.
 
 Legend (`layerwave.axes`): B batch, T tokens, k selected layers, D target width, V target vocabulary,
-V_d draft vocabulary, K draft depth (the unrolled steps).
+V_d draft vocabulary, K draft depth (the unrolled steps), G key/value heads, Dh head width.
 """
 
 from __future__ import annotations
